@@ -1,0 +1,34 @@
+"""Build the kernel extension. Cython runs at build time; no generated C is committed.
+
+Never ``-march=native``: one build must run on any x86-64 (or arm64). The SIMD paths are compiled with GCC/Clang
+function target attributes and chosen at run time by CPU detection, so the baseline flags stay generic.
+``-ffp-contract=off`` keeps the compiler from fusing multiply-adds, so every backend rounds exactly like the
+numpy reference (kvd/kernels_ref.py).
+"""
+
+import sys
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+compile_args = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-Wall", "-Wno-unused-function"]
+if sys.platform == "win32":  # pragma: no cover - not a supported server platform, kept buildable
+    compile_args = ["/O2", "/fp:precise"]
+
+extensions = [
+    Extension(
+        "kvd._kernels",
+        sources=["cython_ext/_kernels.pyx"],
+        include_dirs=["cython_ext", np.get_include()],
+        extra_compile_args=compile_args,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+]
+
+setup(
+    ext_modules=cythonize(
+        extensions,
+        compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False, "cdivision": True},
+    )
+)
