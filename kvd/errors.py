@@ -108,6 +108,13 @@ class BackendUnavailable(KvdError, ImportError):
     code = 17
 
 
+class Conflict(KvdError):
+    """The request's expectation about the sequence does not hold (an append whose ``offset`` is not the
+    sequence's length, e.g. after an earlier pipelined append failed). Nothing was written."""
+
+    code = 18
+
+
 def _all_subclasses(cls: type[KvdError]) -> list[type[KvdError]]:
     out = [cls]
     for sub in cls.__subclasses__():

@@ -205,9 +205,16 @@ def as_f16(x: object, name: str = "x") -> np.ndarray:
             raise NonFiniteError(f"{name}{list(idx)} = {float(a[idx])} is beyond the float16 range (+-65504)")
         return h
     if a.dtype.name == "bfloat16" and a.dtype.itemsize == 2:
-        f = (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        return as_f16(f, name)
+        return bf16_bits_to_f16(a.view(np.uint16), name)
     raise InvalidArgument(f"{name} must be float16, float32 or bfloat16, got {a.dtype}")
+
+
+def bf16_bits_to_f16(bits: np.ndarray, name: str = "x") -> np.ndarray:
+    """float16 from bfloat16 bit patterns held in a uint16 array (how bfloat16 travels without ml_dtypes)."""
+    b = np.asarray(bits)
+    if b.dtype != np.uint16 and b.dtype != np.int16:
+        raise InvalidArgument(f"{name}: bfloat16 bits must be a 16-bit integer array, got {b.dtype}")
+    return as_f16((b.view(np.uint16).astype(np.uint32) << 16).view(np.float32), name)
 
 
 # ---------------------------------------------------------------------------------------------------------
