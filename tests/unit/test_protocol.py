@@ -1,0 +1,883 @@
+"""The wire protocol (issue 4): round trips, golden bytes, every schema rule, a hostile-input fuzz, routing.
+
+Golden fixtures live in tests/unit/fixtures/protocol/*.frames (each frame: 4-byte little-endian length, then
+the bytes). They were written once from the encoder; a wire change must be deliberate: re-run
+``python tests/unit/test_protocol.py --write-fixtures``, bump the protocol version if old peers break, and
+update docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import random
+import sys
+import tracemalloc
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvd import errors
+from kvd import protocol as p
+from kvd.errors import (
+    ConfigError,
+    InvalidArgument,
+    KvdError,
+    MessageTooLarge,
+    ProtocolError,
+    UnsupportedVersion,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "protocol"
+BF16 = np.dtype(ml_dtypes.bfloat16)
+WIRE_DTYPES = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": BF16}
+HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def as_bytes(frames: list[Any]) -> list[bytes]:
+    return [bytes(f) for f in frames]
+
+
+def same(a: Any, b: Any) -> bool:
+    """Field-by-field equality, comparing arrays and pages by their bytes (NaN-safe, dtype- and shape-exact)."""
+    if type(a) is not type(b):
+        return False
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            if x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes():
+                return False
+        elif f.name == "entries":
+            if [(e[0], e[1], bytes(e[2]), bytes(e[3])) for e in x] != [
+                (e[0], e[1], bytes(e[2]), bytes(e[3])) for e in y
+            ]:
+                return False
+        elif x != y or type(x) is not type(y):
+            return False
+    return True
+
+
+def encode(msg: Any) -> list[Any]:
+    return p.encode_reply(msg) if type(msg).__name__.endswith("Reply") else p.encode_request(msg)
+
+
+def decode(frames: list[Any]) -> Any:
+    header = msgpack.unpackb(bytes(frames[0]))
+    return p.decode_reply(frames) if "ok" in header else p.decode_request(frames)
+
+
+# ---- deterministic example messages (also the golden fixtures) -----------------------------------------------
+
+
+def tensor(shape: tuple[int, ...], dtype: str, offset: float = 0.0) -> np.ndarray:
+    return (np.arange(math.prod(shape), dtype=np.float32).reshape(shape) / 4 + offset).astype(WIRE_DTYPES[dtype])
+
+
+def examples() -> dict[str, Any]:
+    k16, v16 = tensor((2, 3, 1, 4), "float16"), tensor((2, 3, 1, 4), "float16", -1.5)
+    return {
+        "hello_request": p.HelloRequest(request_id=1),
+        "hello_reply": p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="0.1.0",
+                                               page_format_version=1, shard_id="shard-0", page_tokens=64),
+        "ping_request": p.PingRequest(request_id=7),
+        "ping_reply": p.PingReply(request_id=7),
+        "register_request": p.RegisterRequest(request_id=2, namespace="smollm2", num_layers=30, num_kv_heads=3,
+                                              head_dim=64),
+        "register_reply": p.RegisterReply(request_id=2),
+        "append_request_float16": p.AppendRequest(request_id=3, namespace="smollm2", seq_id="req-42", keys=k16,
+                                                  values=v16),
+        "append_request_float32_offset": p.AppendRequest(
+            request_id=4, namespace="m", seq_id=2**40 + 5, offset=3, keys=tensor((1, 2, 2, 2), "float32"),
+            values=tensor((1, 2, 2, 2), "float32", 100.0)),
+        "append_request_bfloat16": p.AppendRequest(request_id=5, namespace="m", seq_id=0,
+                                                   keys=tensor((1, 1, 2, 2), "bfloat16"),
+                                                   values=tensor((1, 1, 2, 2), "bfloat16", -2.0)),
+        "append_reply": p.AppendReply(request_id=3, length=3),
+        "get_request_default": p.GetRequest(request_id=6, namespace="smollm2", seq_id="req-42"),
+        "get_request_pages": p.GetRequest(request_id=8, namespace="smollm2", seq_id=17, start=64, end=200,
+                                          layers=(0, 5), format="pages"),
+        "get_reply_fp16": p.GetReply(request_id=6, start=0, end=3, layers=(0, 1), keys=k16, values=v16),
+        "get_reply_fp16_empty": p.GetReply(request_id=9, start=5, end=5, layers=(2,),
+                                           keys=np.zeros((1, 0, 1, 4), np.float16),
+                                           values=np.zeros((1, 0, 1, 4), np.float16)),
+        "get_reply_pages": p.GetPagesReply(request_id=8, start=64, end=200, layers=(0, 5), entries=(
+            (0, 64, b"KVDP-key-0-64", b"KVDP-value-0-64"),
+            (0, 128, b"KVDP-key-0-128", b"KVDP-value-0-128"),
+            (5, 64, b"KVDP-key-5-64", b"KVDP-value-5-64"),
+        )),
+        "drop_request": p.DropRequest(request_id=10, namespace="smollm2", seq_id="req-42"),
+        "drop_reply": p.DropReply(request_id=10, dropped=True),
+        "length_request": p.LengthRequest(request_id=11, namespace="smollm2", seq_id=17),
+        "length_reply": p.LengthReply(request_id=11, length=4096),
+        "stats_request": p.StatsRequest(request_id=12),
+        "stats_reply": p.StatsReply(request_id=12, stats={
+            "used_bytes": 1 << 30, "capacity_bytes": 1 << 32, "pressure": 0.25, "level": "fp16", "epoch": 0,
+            "pages_by_level": {"fp16": 10, "q8": 0}, "raw_layers": [0, 1], "eight_bit": None, "lru": True}),
+        "explain_request": p.ExplainRequest(request_id=13, namespace="smollm2", seq_id="req-42", layer=3,
+                                            token=100),
+        "explain_reply": p.ExplainReply(request_id=13, level="q8", reasons=("sealed at level q8",),
+                                        details={"page": 1, "sealed_epoch": 2, "recompressed": [["q8", 2]]}),
+        "error_reply": p.ErrorReply(request_id=14, code=6, error="UnknownSequence",
+                                    message="no sequence 'req-9' in namespace 'smollm2'"),
+        "error_reply_no_id": p.ErrorReply(request_id=None, code=10, error="ProtocolError",
+                                          message="header is not valid msgpack"),
+    }
+
+
+def write_frames(path: Path, frames: list[Any]) -> None:
+    path.write_bytes(b"".join(len(bytes(f)).to_bytes(4, "little") + bytes(f) for f in frames))
+
+
+def read_frames(path: Path) -> list[bytes]:
+    data, frames, pos = path.read_bytes(), [], 0
+    while pos < len(data):
+        n = int.from_bytes(data[pos : pos + 4], "little")
+        frames.append(data[pos + 4 : pos + 4 + n])
+        pos += 4 + n
+    return frames
+
+
+def write_fixtures() -> None:
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    for name, msg in examples().items():
+        write_frames(FIXTURES / f"{name}.frames", encode(msg))
+
+
+# ---- golden bytes --------------------------------------------------------------------------------------------
+
+
+def test_fixture_set_matches_examples() -> None:
+    on_disk = {path.stem for path in FIXTURES.glob("*.frames")}
+    assert on_disk == set(examples()), "fixtures and examples() disagree: regenerate deliberately"
+
+
+@pytest.mark.parametrize("name", sorted(examples()))
+def test_golden_bytes(name: str) -> None:
+    msg = examples()[name]
+    golden = read_frames(FIXTURES / f"{name}.frames")
+    assert as_bytes(encode(msg)) == golden, f"the encoding of {name} changed"
+    assert same(decode(golden), msg)
+
+
+def test_golden_ping_bytes_match_the_spec_example() -> None:
+    # docs/protocol.md shows these exact bytes for {"v": 1, "id": 7, "op": "ping"}
+    assert read_frames(FIXTURES / "ping_request.frames") == [
+        bytes.fromhex("83a17601a2696407a26f70a470696e67")
+    ]
+
+
+# ---- hypothesis round trips ----------------------------------------------------------------------------------
+
+request_ids = st.integers(0, p.MAX_REQUEST_ID)
+utf8_text = st.text(max_size=40)
+namespaces = st.text(min_size=1, max_size=40).filter(lambda s: len(s.encode()) <= p.MAX_NAMESPACE_BYTES)
+seq_ids = st.one_of(st.text(max_size=60), st.integers(0, p.MAX_POSITION))
+positions = st.integers(0, p.MAX_POSITION)
+indices = st.integers(0, p.MAX_INDEX)
+dims = st.integers(1, p.MAX_INDEX)
+layer_lists = st.lists(st.integers(0, 200), min_size=1, max_size=8, unique=True).map(tuple)
+
+
+@st.composite
+def tensor_pair(draw: Any, dtypes: tuple[str, ...] = ("float16", "float32", "bfloat16"), min_t: int = 1) -> Any:
+    dtype = draw(st.sampled_from(dtypes))
+    shape = tuple(draw(st.integers(low, high)) for low, high in ((1, 3), (min_t, 4), (1, 3), (1, 5)))
+    n = math.prod(shape) * WIRE_DTYPES[dtype].itemsize
+    k, v = draw(st.binary(min_size=n, max_size=n)), draw(st.binary(min_size=n, max_size=n))
+    return tuple(np.frombuffer(b, WIRE_DTYPES[dtype]).reshape(shape) for b in (k, v))
+
+
+@st.composite
+def get_requests(draw: Any) -> p.GetRequest:
+    start = draw(positions)
+    end = draw(st.one_of(st.none(), st.integers(start, p.MAX_POSITION)))
+    return p.GetRequest(request_id=draw(request_ids), namespace=draw(namespaces), seq_id=draw(seq_ids),
+                        start=start, end=end, layers=draw(st.one_of(st.none(), layer_lists)),
+                        format=draw(st.sampled_from(p.GET_FORMATS)))
+
+
+@st.composite
+def get_replies(draw: Any) -> p.GetReply:
+    keys, values = draw(tensor_pair(dtypes=("float16",), min_t=0))
+    start = draw(st.integers(0, 10**12))
+    n_layers = keys.shape[0]
+    layers = tuple(draw(st.lists(st.integers(0, 100), min_size=n_layers, max_size=n_layers, unique=True)))
+    return p.GetReply(request_id=draw(request_ids), start=start, end=start + keys.shape[1], layers=layers,
+                      keys=keys, values=values)
+
+
+@st.composite
+def get_pages_replies(draw: Any) -> p.GetPagesReply:
+    layers = draw(layer_lists)
+    keys = draw(st.lists(st.tuples(st.sampled_from(layers), st.integers(0, 2**40)), max_size=12, unique=True))
+    pages = st.binary(min_size=1, max_size=64)
+    start = draw(positions)
+    return p.GetPagesReply(request_id=draw(request_ids), start=start, end=draw(st.integers(start, p.MAX_POSITION)),
+                           layers=layers, entries=tuple((lay, t0, draw(pages), draw(pages)) for lay, t0 in keys))
+
+
+stat_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
+                         st.floats(allow_nan=False), utf8_text)
+stat_arrays = st.lists(st.one_of(stat_scalars, st.lists(stat_scalars, max_size=3)), max_size=4)
+stat_maps = st.dictionaries(utf8_text.filter(bool), stat_scalars, max_size=4)
+stat_values = st.one_of(stat_scalars, stat_arrays, stat_maps)
+error_classes = st.sampled_from(sorted(errors.ERRORS_BY_CODE.values(), key=lambda c: c.code))
+
+MESSAGES: dict[str, Any] = {
+    "hello_request": st.builds(p.HelloRequest, request_id=request_ids),
+    "ping_request": st.builds(p.PingRequest, request_id=request_ids),
+    "register_request": st.builds(p.RegisterRequest, request_id=request_ids, namespace=namespaces,
+                                  num_layers=dims, num_kv_heads=dims, head_dim=dims),
+    "append_request": st.builds(lambda rid, ns, seq, off, kv: p.AppendRequest(
+        request_id=rid, namespace=ns, seq_id=seq, offset=off, keys=kv[0], values=kv[1]),
+        request_ids, namespaces, seq_ids, st.one_of(st.none(), positions), tensor_pair()),
+    "get_request": get_requests(),
+    "drop_request": st.builds(p.DropRequest, request_id=request_ids, namespace=namespaces, seq_id=seq_ids),
+    "length_request": st.builds(p.LengthRequest, request_id=request_ids, namespace=namespaces, seq_id=seq_ids),
+    "stats_request": st.builds(p.StatsRequest, request_id=request_ids),
+    "explain_request": st.builds(p.ExplainRequest, request_id=request_ids, namespace=namespaces,
+                                 seq_id=seq_ids, layer=indices, token=positions),
+    "hello_reply": st.builds(lambda rid, text, n: p.HelloReply(
+        request_id=rid, kvd_version=text, page_format_version=n[0], shard_id=text, page_tokens=n[1] + 1,
+        max_header_bytes=4096 + n[2], max_frames=3 + n[3]),
+        request_ids, st.text(min_size=1, max_size=20), st.tuples(*[st.integers(0, 10**6)] * 4)),
+    "ping_reply": st.builds(p.PingReply, request_id=request_ids),
+    "register_reply": st.builds(p.RegisterReply, request_id=request_ids),
+    "append_reply": st.builds(p.AppendReply, request_id=request_ids, length=positions),
+    "get_reply": get_replies(),
+    "get_pages_reply": get_pages_replies(),
+    "drop_reply": st.builds(p.DropReply, request_id=request_ids, dropped=st.booleans()),
+    "length_reply": st.builds(p.LengthReply, request_id=request_ids, length=positions),
+    "stats_reply": st.builds(p.StatsReply, request_id=request_ids,
+                             stats=st.dictionaries(utf8_text.filter(bool), stat_values, max_size=8)),
+    "explain_reply": st.builds(p.ExplainReply, request_id=request_ids, level=st.text(min_size=1, max_size=8),
+                               reasons=st.lists(st.text(min_size=1, max_size=30), max_size=5).map(tuple),
+                               details=st.dictionaries(utf8_text.filter(bool), stat_values, max_size=4)),
+    "error_reply": st.builds(lambda rid, cls, text: p.error_reply(rid, cls(text)),
+                             st.one_of(st.none(), request_ids), error_classes, st.text(max_size=3000)),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MESSAGES))
+@HYP
+@given(data=st.data())
+def test_round_trip(kind: str, data: Any) -> None:
+    msg = data.draw(MESSAGES[kind])
+    frames = encode(msg)
+    assert all(isinstance(f, (bytes, memoryview)) for f in frames)
+    back = decode(as_bytes(frames))
+    assert same(back, msg)
+    assert as_bytes(encode(back)) == as_bytes(frames)  # canonical: decoding and re-encoding changes no byte
+
+
+@HYP
+@given(cls=error_classes, text=st.text(max_size=100), rid=request_ids)
+def test_server_errors_come_back_as_the_same_class(cls: type[KvdError], text: str, rid: int) -> None:
+    reply = p.decode_reply(as_bytes(p.encode_reply(p.error_reply(rid, cls(text)))))
+    assert isinstance(reply, p.ErrorReply) and reply.request_id == rid and reply.error == cls.__name__
+    exc = reply.exception()
+    assert type(exc) is cls and str(exc) == str(cls(text))
+
+
+def test_error_reply_from_a_foreign_exception_and_truncation() -> None:
+    reply = p.error_reply(5, RuntimeError("boom"))
+    assert (reply.code, reply.error) == (1, "KvdError") and "RuntimeError: boom" in reply.message
+    long = p.error_reply(5, InvalidArgument("é" * 5000))
+    assert len(long.message.encode()) <= p.MAX_ERROR_MESSAGE_BYTES and long.message.endswith("...")
+    assert p.error_reply(-3, InvalidArgument("x")).request_id is None
+    assert type(p.ErrorReply(request_id=1, code=999, error="Future", message="m").exception()) is KvdError
+
+
+# ---- zero copy -----------------------------------------------------------------------------------------------
+
+
+def test_append_frames_are_views_of_the_callers_arrays() -> None:
+    keys, values = tensor((2, 8, 2, 16), "float16"), tensor((2, 8, 2, 16), "float16", 1.0)
+    frames = p.encode_request(p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=keys, values=values))
+    assert np.shares_memory(np.frombuffer(frames[1], np.uint8), keys)
+    assert np.shares_memory(np.frombuffer(frames[2], np.uint8), values)
+    received = [bytearray(bytes(f)) for f in frames]
+    req = p.decode_request(received)
+    assert isinstance(req, p.AppendRequest)
+    assert np.shares_memory(req.keys, np.frombuffer(received[1], np.uint8))
+    assert np.array_equal(req.keys, keys) and np.array_equal(req.values, values)
+
+
+def test_pages_are_views_of_the_received_frames() -> None:
+    frames = [bytearray(bytes(f)) for f in encode(examples()["get_reply_pages"])]
+    reply = p.decode_reply(frames)
+    assert isinstance(reply, p.GetPagesReply)
+    assert np.shares_memory(np.frombuffer(reply.entries[1][2], np.uint8), np.frombuffer(frames[3], np.uint8))
+
+
+class DLPackOnly:
+    """A tensor that only speaks DLPack, like a CPU torch tensor."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self._arr = arr
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._arr.__dlpack_device__()
+
+
+def test_buffer_protocol_dlpack_and_bfloat16_bits_are_accepted() -> None:
+    keys = tensor((1, 2, 1, 4), "float32")
+    req = p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=memoryview(keys),  # type: ignore[arg-type]
+                          values=DLPackOnly(keys))
+    assert req.dtype == "float32" and req.keys.shape == (1, 2, 1, 4)
+    assert np.shares_memory(req.keys, keys) and np.shares_memory(req.values, keys)
+    bits = tensor((1, 2, 1, 4), "bfloat16").view(np.uint16)
+    req = p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=bits, values=bits, dtype="bfloat16")
+    back = p.decode_request(as_bytes(p.encode_request(req)))
+    assert isinstance(back, p.AppendRequest)
+    assert back.dtype == "bfloat16" and back.keys.dtype == BF16
+    assert back.keys.view(np.uint16).tobytes() == bits.tobytes()
+
+
+def test_non_contiguous_and_big_endian_arrays_are_sent_correctly() -> None:
+    base = tensor((2, 4, 2, 4), "float32")
+    strided = base[:, ::2]
+    big = base.astype(">f4")
+    for arr in (strided, big):
+        req = p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=arr, values=arr)
+        back = p.decode_request(as_bytes(p.encode_request(req)))
+        assert isinstance(back, p.AppendRequest)
+        assert np.array_equal(back.keys, arr) and back.keys.dtype == np.dtype("<f4")
+
+
+# ---- limits --------------------------------------------------------------------------------------------------
+
+
+def test_default_limits_hold_the_largest_legal_messages() -> None:
+    lim = p.Limits()
+    assert (lim.max_header_bytes, lim.max_frame_bytes) == (128 * 1024, 256 * 1024 * 1024)
+    assert lim.max_pages == 4096 and lim.max_frames == 1 + 2 * lim.max_pages
+    assert lim.max_message_bytes == lim.max_header_bytes + 2 * lim.max_frame_bytes
+    # the largest pages reply: max_pages entries with the widest layer / token0 values and long seq ids
+    entries = tuple((p.MAX_INDEX - i, p.MAX_POSITION, b"k", b"v") for i in range(lim.max_pages))
+    big = p.GetPagesReply(request_id=p.MAX_REQUEST_ID, start=p.MAX_POSITION, end=p.MAX_POSITION,
+                          layers=tuple(p.MAX_INDEX - i for i in range(lim.max_pages)), entries=entries)
+    frames = p.encode_reply(big, lim)
+    assert len(frames[0]) <= lim.max_header_bytes and len(frames) == lim.max_frames
+    assert same(p.decode_reply(as_bytes(frames), lim), big)
+    # every fixed-size header with maximal strings fits the smallest allowed header limit
+    widest = p.ExplainRequest(request_id=p.MAX_REQUEST_ID, namespace="ns" * 128, seq_id="s" * 1024,
+                              layer=p.MAX_INDEX, token=p.MAX_POSITION)
+    assert len(p.encode_request(widest)[0]) < 4096
+    err = p.error_reply(p.MAX_REQUEST_ID, InvalidArgument("x" * 10000))
+    assert len(p.encode_reply(err)[0]) < 4096
+
+
+@pytest.mark.parametrize("bad", [dict(max_header_bytes=100), dict(max_frames=2), dict(max_frame_bytes=0),
+                                 dict(max_header_bytes=True), dict(max_message_bytes=1000), dict(max_frames=1.5)])
+def test_limits_refuse_nonsense(bad: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        p.Limits(**bad)
+
+
+def test_encoder_enforces_limits_when_given() -> None:
+    small = p.Limits(max_header_bytes=4096, max_frame_bytes=64, max_message_bytes=4096 + 100)
+    keys = tensor((1, 1, 1, 64), "float16")  # 128 bytes per frame
+    req = p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=keys, values=keys)
+    with pytest.raises(MessageTooLarge, match="max_frame_bytes"):
+        p.encode_request(req, small)
+    with pytest.raises(MessageTooLarge, match="max_frames"):
+        p.encode_reply(examples()["get_reply_pages"], p.Limits(max_frames=5))
+    assert len(p.encode_request(req, p.Limits())) == 3
+
+
+# ---- rejection: one test per schema rule ---------------------------------------------------------------------
+
+BASE: dict[str, dict[str, Any]] = {
+    "register": {"v": 1, "id": 1, "op": "register", "namespace": "m", "num_layers": 2, "num_kv_heads": 1,
+                 "head_dim": 4},
+    "append": {"v": 1, "id": 1, "op": "append", "namespace": "m", "seq_id": "s", "offset": None,
+               "dtype": "float16", "shape": [1, 1, 1, 2]},
+    "get": {"v": 1, "id": 1, "op": "get", "namespace": "m", "seq_id": 3, "start": 0, "end": None, "layers": None,
+            "format": "fp16"},
+    "explain": {"v": 1, "id": 1, "op": "explain", "namespace": "m", "seq_id": 3, "layer": 0, "token": 0},
+    "ping": {"v": 1, "id": 1, "op": "ping"},
+}
+DELETE = object()
+FOUR = b"\x00" * 4  # an append payload frame for shape [1, 1, 1, 2] float16
+
+
+def request(kind: str, frames: list[bytes] | None = None, /, **changes: Any) -> list[bytes]:
+    header = dict(BASE[kind])
+    for key, value in changes.items():
+        if value is DELETE:
+            del header[key]
+        else:
+            header[key] = value
+    return [packb(header), *(frames if frames is not None else ([FOUR, FOUR] if kind == "append" else []))]
+
+
+REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
+    # envelope
+    ("no version", request("ping", v=DELETE), ProtocolError, "v (protocol version)"),
+    ("version is a string", request("ping", v="1"), ProtocolError, "v (protocol version)"),
+    ("unknown major version", request("ping", v=2), UnsupportedVersion, "protocol version 2"),
+    ("version 0", request("ping", v=0), UnsupportedVersion, "protocol version 0"),
+    ("no id", request("ping", id=DELETE), ProtocolError, "'id'"),
+    ("negative id", request("ping", id=-1), ProtocolError, "request id"),
+    ("bool id", request("ping", id=True), ProtocolError, "bool True"),
+    ("float id", request("ping", id=1.0), ProtocolError, "float 1.0"),
+    ("no op", request("ping", op=DELETE), ProtocolError, "op must be one of"),
+    ("unknown op", request("ping", op="put"), ProtocolError, "'put'"),
+    ("op is bytes", request("ping", op=b"ping"), ProtocolError, "op must be one of"),
+    ("typo in a key", request("get", namspace="m"), ProtocolError, "namspace"),
+    ("reply key in a request", request("ping", ok=True), ProtocolError, "'ok'"),
+    ("frames after ping", request("ping", [b"x"]), ProtocolError, "expected 0 frames"),
+    # namespace and seq_id
+    ("missing namespace", request("get", namespace=DELETE), ProtocolError, "'namespace'"),
+    ("nil namespace", request("get", namespace=None), ProtocolError, "namespace must be a string"),
+    ("empty namespace", request("get", namespace=""), InvalidArgument, "namespace must be 1 to 256 bytes"),
+    ("long namespace", request("get", namespace="é" * 129), InvalidArgument, "got 258 bytes"),
+    ("namespace is int", request("get", namespace=5), ProtocolError, "namespace must be a string, got int 5"),
+    ("namespace is bin", request("get", namespace=b"m"), ProtocolError, "namespace must be a string"),
+    ("seq_id too long", request("get", seq_id="x" * 1025), InvalidArgument, "seq_id must be 0 to 1024 bytes"),
+    ("negative seq_id", request("get", seq_id=-1), InvalidArgument, "seq_id must be in [0,"),
+    ("seq_id 2**63", request("get", seq_id=2**63), InvalidArgument, "got 9223372036854775808"),
+    ("seq_id 2**64-1", request("get", seq_id=2**64 - 1), InvalidArgument, "seq_id must be in"),
+    ("bool seq_id", request("get", seq_id=False), ProtocolError, "seq_id must be a string or"),
+    ("float seq_id", request("get", seq_id=1.5), ProtocolError, "float 1.5"),
+    ("list seq_id", request("get", seq_id=[1]), ProtocolError, "seq_id must be a string or"),
+    ("map seq_id", request("get", seq_id={"a": 1}), ProtocolError, "seq_id must be a string or"),
+    # register
+    ("bool is not int", request("register", num_layers=True), ProtocolError, "num_layers must be an integer"),
+    ("zero layers", request("register", num_layers=0), InvalidArgument, "num_layers must be in [1,"),
+    ("negative heads", request("register", num_kv_heads=-4), InvalidArgument, "num_kv_heads must be in"),
+    ("head_dim 2**31", request("register", head_dim=2**31), InvalidArgument, "head_dim must be in"),
+    ("missing head_dim", request("register", head_dim=DELETE), ProtocolError, "'head_dim'"),
+    ("nil head_dim", request("register", head_dim=None), ProtocolError, "head_dim must be an integer"),
+    ("float head_dim", request("register", head_dim=64.0), ProtocolError, "head_dim must be an integer"),
+    # get
+    ("start after end", request("get", start=5, end=4), InvalidArgument, "start must be <= end"),
+    ("negative start", request("get", start=-1), InvalidArgument, "start must be in"),
+    ("string end", request("get", end="9"), ProtocolError, "end must be an integer or nil"),
+    ("empty layers", request("get", layers=[]), InvalidArgument, "layers must be nil or a non-empty"),
+    ("repeated layer", request("get", layers=[1, 1]), InvalidArgument, "layers lists a layer twice"),
+    ("negative layer", request("get", layers=[0, -1]), InvalidArgument, "layers[1] must be in"),
+    ("layer 2**31", request("get", layers=[2**31]), InvalidArgument, "layers[0] must be in"),
+    ("bool layer", request("get", layers=[True]), ProtocolError, "layers[0] must be an integer"),
+    ("nested layers", request("get", layers=[[0]]), ProtocolError, "layers[0] must be an integer"),
+    ("layers is a map", request("get", layers={"0": 0}), ProtocolError, "layers must be an array"),
+    ("unknown format", request("get", format="fp32"), InvalidArgument, "format must be one of fp16, pages"),
+    ("format is int", request("get", format=1), ProtocolError, "format must be a string"),
+    # explain
+    ("negative layer", request("explain", layer=-1), InvalidArgument, "layer must be in"),
+    ("missing token", request("explain", token=DELETE), ProtocolError, "'token'"),
+    # append
+    ("unknown dtype", request("append", dtype="int8"), ProtocolError, "dtype must be one of"),
+    ("missing dtype", request("append", dtype=DELETE), ProtocolError, "dtype must be a string"),
+    ("three dims", request("append", shape=[1, 1, 2]), ProtocolError, "shape must have 4 dimensions"),
+    ("zero dim", request("append", shape=[1, 0, 1, 2]), InvalidArgument, "shape[1] must be in [1,"),
+    ("string dim", request("append", shape=[1, 1, 1, "2"]), ProtocolError, "shape[3] must be an integer"),
+    ("shape is an int", request("append", shape=4), ProtocolError, "shape must be an array"),
+    ("short values frame", request("append", [FOUR, b"\x00" * 3]), ProtocolError,
+     "values frame has 3 bytes but shape [1, 1, 1, 2] of float16 needs 4"),
+    ("float32 needs more", request("append", dtype="float32"), ProtocolError, "needs 8"),
+    ("overflowing shape", request("append", shape=[2**31 - 1] * 4), ProtocolError, "keys frame has 4 bytes"),
+    ("one frame", request("append", [FOUR]), ProtocolError, "expected 2 frames after the header, got 1"),
+    ("three frames", request("append", [FOUR, FOUR, FOUR]), ProtocolError, "expected 2 frames"),
+    ("negative offset", request("append", offset=-1), InvalidArgument, "offset must be in"),
+    ("string offset", request("append", offset="0"), ProtocolError, "offset must be an integer or nil"),
+    # msgpack level
+    ("header not a map", [packb([1, "ping"])], ProtocolError, "header must be a msgpack map, got list"),
+    ("header is nil", [packb(None)], ProtocolError, "header must be a msgpack map"),
+    ("trailing bytes", [packb(BASE["ping"]) + b"\xc0"], ProtocolError, "not valid msgpack: ExtraData"),
+    ("truncated", [packb(BASE["get"])[:-3]], ProtocolError, "not valid msgpack"),
+    ("not msgpack", [b"\xc1"], ProtocolError, "not valid msgpack"),
+    ("empty header", [b""], ProtocolError, "not valid msgpack"),
+    ("bad utf-8", [b"\x81\xa2op\xa2\xff\xfe"], ProtocolError, "UnicodeDecodeError"),
+    ("ext type", [packb({**BASE["ping"], "x": msgpack.ExtType(1, b"abc")})], ProtocolError, "max_ext_len"),
+    ("empty ext type", [b"\x84\xa1v\x01\xa2id\x01\xa2op\xa4ping\xa1x\xc7\x00\x05"], ProtocolError,
+     "extension type 5 is not allowed"),
+    ("timestamp", [b"\x84\xa1v\x01\xa2id\x01\xa2op\xa4ping\xa1t\xd6\xff\x00\x00\x00\x00"], ProtocolError,
+     "not valid msgpack"),
+    ("duplicate key", [b"\x84\xa1v\x01\xa2id\x01\xa2op\xa4ping\xa2id\x02"], ProtocolError, "duplicate key"),
+    ("bin key", [packb({b"v": 1, "id": 1, "op": "ping"})], ProtocolError, "header keys must be strings"),
+    ("int key", [b"\x81\x01\x01"], ProtocolError, "not valid msgpack"),
+    ("4G array", [b"\xdd\xff\xff\xff\xff"], ProtocolError, "exceeds max_array_len"),
+    ("4G map", [b"\xdf\xff\xff\xff\xff"], ProtocolError, "exceeds max_map_len"),
+    ("4G string", [b"\xdb\xff\xff\xff\xff"], ProtocolError, "not valid msgpack"),
+    ("4G bin", [b"\xc6\xff\xff\xff\xff"], ProtocolError, "not valid msgpack"),
+    ("deep arrays", [b"\x91" * 60000], ProtocolError, "nested too deeply"),
+    ("deep maps", [b"\x81\xa1a" * 20000 + b"\xc0"], ProtocolError, "nested too deeply"),
+    ("no frames", [], ProtocolError, "non-empty list of frames"),
+    ("frame not bytes", [packb(BASE["ping"]), 5], ProtocolError, "frame 1 is not a bytes-like object"),  # type: ignore[list-item]
+    # sizes
+    ("header too big", [packb({**BASE["ping"], "pad": "x" * (128 * 1024)})], MessageTooLarge, "max_header_bytes"),
+    ("too many frames", [packb(BASE["ping"])] + [b""] * p.DEFAULT_MAX_FRAMES, MessageTooLarge, "max_frames"),
+]
+
+
+@pytest.mark.parametrize(("frames", "cls", "needle"), [r[1:] for r in REJECTED], ids=[r[0] for r in REJECTED])
+def test_rejected(frames: list[bytes], cls: type[KvdError], needle: str) -> None:
+    with pytest.raises(KvdError) as info:
+        p.decode_request(frames)
+    assert type(info.value) is cls, info.value
+    assert needle in str(info.value)
+    reply = p.parse_request(frames)  # what the server sends back: the same error, with the id when readable
+    assert isinstance(reply, p.ErrorReply) and reply.code == cls.code and needle in reply.message
+
+
+def test_error_reply_carries_the_id_whenever_the_header_had_one() -> None:
+    reply = p.parse_request(request("get", id=99, start=5, end=1))
+    assert isinstance(reply, p.ErrorReply) and reply.request_id == 99
+    too_many = p.parse_request([packb({**BASE["ping"], "id": 42})] + [b""] * 4, p.Limits(max_frames=3))
+    assert isinstance(too_many, p.ErrorReply) and too_many.request_id == 42 and too_many.error == "MessageTooLarge"
+    assert p.parse_request([b"\xc1"]).request_id is None
+    assert p.parse_request(request("ping", v=3, id=8)).request_id == 8
+
+
+def test_size_limits_on_decode() -> None:
+    small = p.Limits(max_header_bytes=4096, max_frame_bytes=3, max_message_bytes=4096 + 5)
+    with pytest.raises(MessageTooLarge, match="frame 1 is 4 bytes, more than max_frame_bytes 3"):
+        p.decode_request(request("append"), small)
+    small = p.Limits(max_header_bytes=4096, max_message_bytes=4096)
+    with pytest.raises(MessageTooLarge, match="more than max_message_bytes 4096"):
+        p.decode_request(request("append", [FOUR, b"\x00" * 4096]), small)
+
+
+def test_nil_means_default_for_optional_fields_only() -> None:
+    req = p.decode_request(request("get", start=None, format=DELETE, layers=DELETE))
+    assert isinstance(req, p.GetRequest)
+    assert (req.start, req.end, req.layers, req.format) == (0, None, None, "fp16")
+    req = p.decode_request(request("append", offset=DELETE))
+    assert isinstance(req, p.AppendRequest) and req.offset is None
+
+
+def test_local_construction_errors_are_invalid_argument() -> None:
+    k = tensor((1, 1, 1, 2), "float16")
+    cases: list[Any] = [
+        lambda: p.GetRequest(request_id=1, namespace="m", seq_id=1, start=-1),
+        lambda: p.GetRequest(request_id=1, namespace="m", seq_id=True),
+        lambda: p.GetRequest(request_id=1, namespace="m", seq_id=1, start=3, end=2),
+        lambda: p.PingRequest(request_id=2**64),
+        lambda: p.RegisterRequest(request_id=1, namespace="\ud800", num_layers=1, num_kv_heads=1, head_dim=1),
+        lambda: p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k, values=k[:, :, :, :1]),
+        lambda: p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k, values=k.astype(np.float32)),
+        lambda: p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k[0], values=k[0]),
+        lambda: p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k.astype(np.int64),
+                                values=k.astype(np.int64)),
+        lambda: p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=[[[[1.0]]]], values=[[[[1.0]]]]),
+        lambda: p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k, values=k, dtype="bfloat16"),
+        lambda: p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k[:, :0], values=k[:, :0]),
+        lambda: p.GetReply(request_id=1, start=0, end=2, layers=(0,), keys=k, values=k),
+        lambda: p.GetReply(request_id=1, start=0, end=1, layers=(0,), keys=k.astype(np.float32),
+                           values=k.astype(np.float32)),
+        lambda: p.GetPagesReply(request_id=1, start=0, end=1, layers=(0,), entries=((1, 0, b"k", b"v"),)),
+        lambda: p.GetPagesReply(request_id=1, start=0, end=1, layers=(0,),
+                                entries=((0, 0, b"k", b"v"), (0, 0, b"k", b"v"))),
+        lambda: p.GetPagesReply(request_id=1, start=0, end=1, layers=(0,), entries=((0, 0, b"", b"v"),)),
+        lambda: p.StatsReply(request_id=1, stats={"x": {"y": {"z": 1}}}),
+        lambda: p.StatsReply(request_id=1, stats={"x": [[[1]]]}),
+        lambda: p.StatsReply(request_id=1, stats={"x": object()}),
+        lambda: p.HelloReply(request_id=1, kvd_version="v", page_format_version=1, shard_id="s", page_tokens=64,
+                             max_frames=2),
+        lambda: p.ErrorReply(request_id=1, code=0, error="X", message=""),
+    ]
+    for make in cases:
+        with pytest.raises(InvalidArgument):
+            make()
+    with pytest.raises(InvalidArgument, match="not a request"):
+        p.encode_request(p.PingReply(request_id=1))  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="not a reply"):
+        p.encode_reply(p.PingRequest(request_id=1))  # type: ignore[arg-type]
+
+
+def test_numpy_scalars_from_the_store_are_accepted() -> None:
+    reply = p.StatsReply(request_id=np.uint64(3), stats={"tokens": np.int64(5), "pressure": np.float32(0.5),
+                                                         "on": np.bool_(True)})
+    back = p.decode_reply(as_bytes(p.encode_reply(reply)))
+    assert back.request_id == 3 and back.stats == {"tokens": 5, "pressure": 0.5, "on": True}  # type: ignore[union-attr]
+    assert p.AppendReply(request_id=1, length=np.int64(7)).length == 7
+
+
+def hdr(**fields: Any) -> bytes:
+    return packb(fields)
+
+
+REPLIES_REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
+    ("no ok", [hdr(v=1, id=1, op="ping")], ProtocolError, "ok must be a boolean"),
+    ("ok is 1", [hdr(v=1, id=1, op="ping", ok=1)], ProtocolError, "ok must be a boolean"),
+    ("future version", [hdr(v=2, id=1, op="ping", ok=True)], UnsupportedVersion, "protocol version 2"),
+    ("unknown op", [hdr(v=1, id=1, op="put", ok=True)], ProtocolError, "reply op must be one of"),
+    ("get without format", [hdr(v=1, id=1, op="get", ok=True)], ProtocolError, "get reply format"),
+    ("error without code", [hdr(v=1, id=1, ok=False, error="X", message="m")], ProtocolError, "'code'"),
+    ("error with op", [hdr(v=1, id=1, ok=False, op="get", code=2, error="X", message="m")], ProtocolError,
+     "unknown header keys ['op']"),
+    ("bool length", [hdr(v=1, id=1, op="length", ok=True, length=False)], ProtocolError, "length must be an"),
+    ("dropped is 1", [hdr(v=1, id=1, op="drop", ok=True, dropped=1)], ProtocolError, "dropped must be a boolean"),
+    ("deep stats", [hdr(v=1, id=1, op="stats", ok=True, stats={"a": {"b": [1]}})], ProtocolError,
+     "must be nil, a boolean, a number or a string"),
+    ("deeper arrays", [hdr(v=1, id=1, op="stats", ok=True, stats={"a": [[[1]]]})], ProtocolError,
+     "stats['a'][0][0] must be nil"),
+    ("details not a map", [hdr(v=1, id=1, op="explain", ok=True, level="q8", reasons=[], details=[1])],
+     ProtocolError, "details must be a map"),
+    ("reasons not strings", [hdr(v=1, id=1, op="explain", ok=True, level="q8", reasons=[1])], ProtocolError,
+     "reasons[0] must be a string"),
+    ("pages count mismatch", [hdr(v=1, id=1, op="get", ok=True, format="pages", start=0, end=1, layers=[0],
+                                  entries=[[0, 0]]), b"k"], ProtocolError, "2 per entry"),
+    ("pages entry shape", [hdr(v=1, id=1, op="get", ok=True, format="pages", start=0, end=1, layers=[0],
+                               entries=[[0, 0, 0]]), b"k", b"v"], ProtocolError, "must be [layer, token0]"),
+    ("pages layer not listed", [hdr(v=1, id=1, op="get", ok=True, format="pages", start=0, end=1, layers=[0],
+                                    entries=[[3, 0]]), b"k", b"v"], InvalidArgument, "not in layers"),
+    ("fp16 reply in float32", [hdr(v=1, id=1, op="get", ok=True, format="fp16", start=0, end=1, layers=[0],
+                                   dtype="float32", shape=[1, 1, 1, 1]), b"1234", b"1234"], ProtocolError,
+     "dtype must be one of float16"),
+    ("fp16 reply wrong token count", [hdr(v=1, id=1, op="get", ok=True, format="fp16", start=0, end=2,
+                                          layers=[0], dtype="float16", shape=[1, 1, 1, 1]), b"12", b"12"],
+     InvalidArgument, "does not match"),
+    ("hello reply bad limits", [hdr(v=1, id=1, op="hello", ok=True, protocol_version=1, protocol_minor=0,
+                                    kvd_version="x", page_format_version=1, shard_id="s", page_tokens=1,
+                                    max_header_bytes=10, max_frame_bytes=1, max_frames=3,
+                                    max_message_bytes=10)], InvalidArgument, "max_header_bytes"),
+]
+
+
+@pytest.mark.parametrize(("frames", "cls", "needle"), [r[1:] for r in REPLIES_REJECTED],
+                         ids=[r[0] for r in REPLIES_REJECTED])
+def test_rejected_replies(frames: list[bytes], cls: type[KvdError], needle: str) -> None:
+    with pytest.raises(KvdError) as info:
+        p.decode_reply(frames)
+    assert type(info.value) is cls, info.value
+    assert needle in str(info.value)
+
+
+def test_error_replies_are_read_whatever_their_version() -> None:
+    reply = p.decode_reply([hdr(v=7, id=3, ok=False, code=12, error="UnsupportedVersion", message="speak 7")])
+    assert isinstance(reply, p.ErrorReply) and isinstance(reply.exception(), UnsupportedVersion)
+
+
+# ---- fuzz: random, truncated, bit-flipped and hostile frames -------------------------------------------------
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    kind = rng.randrange(12 if depth < 3 else 9)
+    if kind == 0:
+        return None
+    if kind == 1:
+        return rng.random() < 0.5
+    if kind == 2:
+        return rng.choice([0, 1, -1, 2**31, 2**63 - 1, 2**63, 2**64 - 1, -(2**63), rng.randrange(-(2**63), 2**64)])
+    if kind == 3:
+        return rng.choice([0.0, -1.5, float("nan"), float("inf"), 1e300])
+    if kind == 4:
+        return rng.choice(["", "m", "float16", "fp16", "pages", "é" * rng.randrange(300), "x" * 1025])
+    if kind == 5:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(8)))
+    if kind == 6:
+        return msgpack.ExtType(rng.randrange(128), b"x" * rng.randrange(4))
+    if kind == 7:
+        return rng.randrange(0, 4)
+    if kind == 8:
+        return rng.choice(["get", "append", "ping", "hello", "stats", "nope"])
+    if kind == 9:
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+    if kind == 10:
+        return [rng.randrange(0, 3) for _ in range(rng.choice([2, 4, 4, 5]))]
+    return {rng.choice(["a", "b", "fp16"]): random_value(rng, depth + 1) for _ in range(rng.randrange(4))}
+
+
+KEYS = ["v", "id", "op", "ok", "namespace", "seq_id", "start", "end", "layers", "format", "dtype", "shape",
+        "offset", "layer", "token", "num_layers", "num_kv_heads", "head_dim", "entries", "length", "code",
+        "error", "message", "stats", "dropped", "level", "reasons", "nope"]
+
+
+def hostile() -> list[list[Any]]:
+    deep_a, deep_m = b"\x91" * 200_000, b"\x81\xa1a" * 50_000 + b"\xc0"
+    ping = BASE["ping"]
+    out: list[list[Any]] = [
+        [b"\xdd\xff\xff\xff\xff"], [b"\xdf\xff\xff\xff\xff"], [b"\xdb\xff\xff\xff\xff"], [b"\xc6\xff\xff\xff\xff"],
+        [b"\xc9\xff\xff\xff\xff\x01"], [b"\x84\xa1v\x01\xa2id\x01\xa2op\xa4ping\xa1x\xdd\xff\xff\xff\xff"],
+        [b"\x84\xa1v\x01\xa2id\x01\xa2op\xa4ping\xa1x\xc9\xff\xff\xff\xf0\x05"],
+        [deep_a], [deep_m], [b"\x81\xa1a" + deep_a],
+        [packb(1)], [packb("ping")], [packb([ping])], [packb(None)], [packb(2**64 - 1)], [b""], [],
+        [packb({**ping, "id": 2**64 - 1, "v": 2**64 - 1})], [packb({**ping, "v": -(2**63)})],
+        [packb({**BASE["append"], "shape": [2**31 - 1] * 4}), FOUR, FOUR],
+        [packb({**BASE["append"], "shape": [2**64 - 1] * 4}), FOUR, FOUR],
+        [packb({**BASE["append"], "shape": [65536, 65536, 65536, 65536]}), b"", b""],
+        [packb({**BASE["get"], "layers": list(range(5000))})],
+        [packb({f"k{i}": i for i in range(2000)})],
+        [packb({**ping, "x": "y" * 140_000})],
+        [packb(ping)] + [b""] * 10_000,
+        [packb(ping), None], [None], [packb(ping), "text"], ["not a list"], [memoryview(packb(ping))],
+    ]
+    for code in (-1, 0, 1, 127, -128):  # every ext encoding, including timestamps (-1)
+        for size in (1, 2, 4, 8, 16, 0, 3, 300, 70_000):
+            out.append([PING_WITH_X + ext_bytes(code, b"z" * size)])
+    return out
+
+
+PING_WITH_X = b"\x84\xa1v\x01\xa2id\x01\xa2op\xa4ping\xa1x"  # {"v": 1, "id": 1, "op": "ping", "x": <value>}
+
+
+def ext_bytes(code: int, data: bytes) -> bytes:
+    """A msgpack extension value in its shortest encoding (msgpack.ExtType refuses negative codes)."""
+    t = code.to_bytes(1, "big", signed=True)
+    fixed = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+    if len(data) in fixed:
+        return bytes([fixed[len(data)]]) + t + data
+    if len(data) < 256:
+        return b"\xc7" + len(data).to_bytes(1, "big") + t + data
+    if len(data) < 65536:
+        return b"\xc8" + len(data).to_bytes(2, "big") + t + data
+    return b"\xc9" + len(data).to_bytes(4, "big") + t + data
+
+
+def fuzz_cases(n: int, seed: int = 1234) -> Any:
+    rng = random.Random(seed)
+    corpus = [as_bytes(encode(m)) for m in examples().values()]
+    hostile_cases = hostile()
+    for i in range(n):
+        mode = i % 5
+        if mode == 0:  # random bytes
+            yield [bytes(rng.randrange(256) for _ in range(rng.randrange(40))) for _ in range(rng.randrange(1, 4))]
+        elif mode == 1:  # truncated: the header, a frame, or frames missing
+            msg = list(rng.choice(corpus))
+            j = rng.randrange(len(msg))
+            msg[j] = msg[j][: rng.randrange(len(msg[j]) + 1)]
+            yield msg[: rng.randrange(1, len(msg) + 1)] if rng.random() < 0.3 else msg
+        elif mode == 2:  # bit flips
+            flipped = [bytearray(f) for f in rng.choice(corpus)]
+            for _ in range(rng.randrange(1, 9)):
+                j = rng.randrange(len(flipped)) if rng.random() < 0.3 else 0
+                if flipped[j]:
+                    flipped[j][rng.randrange(len(flipped[j]))] ^= 1 << rng.randrange(8)
+            yield [bytes(f) for f in flipped]
+        elif mode == 3:  # well-formed msgpack, hostile content: wrong types, ranges, shapes, extras
+            header = dict(rng.choice([BASE[op] for op in BASE]))
+            for _ in range(rng.randrange(1, 4)):
+                header[rng.choice(KEYS)] = random_value(rng)
+            try:
+                raw = packb(header)
+            except (OverflowError, TypeError, ValueError):
+                raw = packb({"v": 1})
+            yield [raw] + [bytes(rng.randrange(4) * 2) for _ in range(rng.randrange(4))]
+        else:
+            yield hostile_cases[(i // 5) % len(hostile_cases)]
+
+
+@pytest.mark.timeout(60)
+def test_fuzz_every_input_is_decoded_or_refused_with_a_kvd_error() -> None:
+    outcomes: Counter[str] = Counter()
+    tracemalloc.start()
+    try:
+        baseline = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        for frames in fuzz_cases(10_000):
+            for decoder in (p.decode_request, p.decode_reply):
+                try:
+                    msg = decoder(frames)
+                except KvdError as exc:
+                    outcomes[type(exc).__name__] += 1
+                else:
+                    outcomes[type(msg).__name__] += 1
+                    assert same(decode(as_bytes(encode(msg))), msg)  # anything accepted is a valid message
+            assert isinstance(p.parse_request(frames), (p.ErrorReply, *p.REQUESTS.values()))
+        peak = tracemalloc.get_traced_memory()[1] - baseline
+    finally:
+        tracemalloc.stop()
+    # the largest input is ~200 KB (deep nesting) or 10,000 empty frames; claims of 4 G items allocate nothing
+    assert peak < 8 * 1024 * 1024, f"decoding peaked at {peak} bytes"
+    assert outcomes["ProtocolError"] > 1000 and outcomes["MessageTooLarge"] > 0
+    assert outcomes["UnsupportedVersion"] > 0 and outcomes["InvalidArgument"] > 0
+    assert sum(n for k, n in outcomes.items() if "Request" in k or "Reply" in k) > 100  # some survive intact
+
+
+# ---- routing -------------------------------------------------------------------------------------------------
+
+
+def spec_owner(shards: list[str], namespace: str, seq_id: str | int) -> int:
+    """docs/protocol.md "Routing", written again from the text."""
+
+    def u32(n: int) -> bytes:
+        return n.to_bytes(4, "little")
+
+    ns = namespace.encode()
+    if isinstance(seq_id, int):
+        seq = b"\x00" + seq_id.to_bytes(8, "little")
+    else:
+        seq = b"\x01" + u32(len(seq_id.encode())) + seq_id.encode()
+    best, best_score = 0, -1
+    for i, shard in enumerate(shards):
+        data = u32(len(ns)) + ns + seq + u32(len(shard.encode())) + shard.encode()
+        score = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+        if score > best_score or (score == best_score and shard.encode() < shards[best].encode()):
+            best, best_score = i, score
+    return best
+
+
+SHARDS = [f"shard-{i}" for i in range(8)]
+
+
+def test_routing_follows_the_spec_formula() -> None:
+    rng = random.Random(7)
+    for i in range(2000):
+        seq: str | int = rng.randrange(2**63) if i % 2 else f"req-{rng.randrange(10**9)}"
+        shards = SHARDS[: rng.randrange(1, 9)]
+        assert p.owner(shards, "smollm2", seq) == spec_owner(shards, "smollm2", seq)
+
+
+# Test vectors published in docs/protocol.md (the hex is the full 8-byte score, big-endian).
+VECTORS: list[tuple[str, str | int, str, str]] = [
+    ("smollm2", "req-42", "shard-0", "bca65a9c155c12f2"),
+    ("smollm2", 42, "shard-0", "75d2cd674c77af71"),
+    ("llama", "", "tcp://10.0.0.7:5555", "4b599c60614e334b"),
+]
+OWNER_VECTORS: list[tuple[tuple[str, str | int], int]] = [
+    (("smollm2", "req-42"), 0), (("smollm2", 42), 1), (("llama", "é"), 3)]
+
+
+def test_routing_vectors() -> None:
+    for ns, seq, shard, score in VECTORS:
+        assert f"{p.rendezvous_score(shard, ns, seq):016x}" == score
+    for (ns, seq), index in OWNER_VECTORS:
+        assert p.owner(SHARDS, ns, seq) == index
+
+
+def test_routing_is_balanced_and_moves_only_the_removed_shards_keys() -> None:
+    keys = [("m", f"seq-{i}") if i % 2 else ("m", i) for i in range(10_000)]
+    before = [SHARDS[p.owner(SHARDS, ns, s)] for ns, s in keys]
+    counts = Counter(before)
+    expected = len(keys) / len(SHARDS)
+    assert all(abs(counts[s] - expected) < 0.15 * expected for s in SHARDS), counts  # ~5.6 sigma
+    survivors = [s for s in SHARDS if s != "shard-3"]
+    after = [survivors[p.owner(survivors, ns, s)] for ns, s in keys]
+    moved = [(b, a) for b, a in zip(before, after, strict=True) if b != a]
+    assert moved and all(b == "shard-3" for b, _ in moved)
+    assert len(moved) == counts["shard-3"]
+    shuffled = SHARDS[::-1]
+    assert all(shuffled[p.owner(shuffled, ns, s)] == o for (ns, s), o in zip(keys[:500], before, strict=False))
+
+
+def test_routing_refuses_bad_input() -> None:
+    for args in [([], "m", 1), (["a", "a"], "m", 1), (["a"], "", 1), (["a"], "m", -1), (["a"], "m", 1.5),
+                 ("ab", "m", 1), ([""], "m", 1), ([3], "m", 1)]:
+        with pytest.raises(InvalidArgument):
+            p.owner(*args)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write-fixtures"]:
+        write_fixtures()
+        print(f"wrote {len(examples())} fixtures to {FIXTURES}")
+    else:
+        print("usage: python tests/unit/test_protocol.py --write-fixtures")
