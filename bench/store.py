@@ -1,0 +1,299 @@
+"""The paged KV store in-process: throughput, memory held per level, re-compression rate, real-KV error.
+
+    python bench/store.py            # the full tables (about 2 minutes with compiled kernels)
+    python bench/store.py --quick    # a smoke run with small sizes (well under a minute)
+
+1. Append and get throughput in GB/s of fp16 bytes (keys + values), medians over repetitions, per level, for
+   the sample layout (30 layers, 3 KV heads, head_dim 64) and a 7B-class layout (32 layers, 8 KV heads,
+   head_dim 128), next to numpy.copyto of the same bytes into a reused buffer and a plain copy into a fresh
+   array (what get() has to do: it returns new arrays) in the same run. Appends come in 512-token chunks into a
+   store in steady state (the previous sequence is dropped before the next is timed).
+2. Tokens held per GiB at each level relative to fp16, for 4,096-token sequences with the default settings
+   (sink page raw, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
+   headers included on both sides), and against the raw fp16 bytes of the tokens.
+3. Re-compression (compact) from fp16 to q4: GB/s of stored fp16 pages re-encoded.
+4. Attention error of the real sample read back through the store, sink and window on and off:
+   eps_O = ||softmax(q K^T / sqrt(d)) V - O|| / ||O||, causal, grouped-query (9 query heads share 3 KV heads),
+   the last 256 queries, O from the unquantized keys (post-RoPE) and values; mean and worst over 30 layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvd import kernels  # noqa: E402
+from kvd import store_pool as sp  # noqa: E402
+from kvd.store import Store  # noqa: E402
+
+GiB = 1 << 30
+LEVELS = ("fp16", "q8", "fp8_e4m3", "q4")
+LAYOUTS = {"sample (30x3x64)": (30, 3, 64), "7B-class (32x8x128)": (32, 8, 128)}
+CHUNK = 512
+
+
+def sample_path() -> Path:
+    env = os.environ.get("KVD_SAMPLE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "smollm2_kv_sample.npz"
+
+
+def make_store(level: str, layout: tuple[int, int, int], capacity: int = 64 * GiB, **opts) -> Store:
+    """A store whose level seals ``level`` pages (fp8_e4m3 through eight_bit, as a deployment would)."""
+    eight_bit = level if level.startswith("fp8") else "q8"
+    s = Store(capacity, eight_bit=eight_bit, **opts)
+    layers, heads, dim = layout
+    s.register("m", num_layers=layers, num_kv_heads=heads, head_dim=dim)
+    s.set_level({"fp16": "fp16", "q4": "q4"}.get(level, "q8"), 1)
+    assert s.stats()["format"] == level
+    return s
+
+
+def random_kv(layout: tuple[int, int, int], tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    layers, heads, dim = layout
+    rng = np.random.default_rng(seed)
+    shape = (layers, tokens, heads, dim)
+    return rng.standard_normal(shape, np.float32).astype(np.float16), rng.standard_normal(
+        shape, np.float32
+    ).astype(np.float16)
+
+
+def median_time(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------ 1. throughput
+
+
+def _copyto(dk: np.ndarray, dv: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    np.copyto(dk, k)
+    np.copyto(dv, v)
+
+
+def _fresh_copy(k: np.ndarray, v: np.ndarray) -> None:
+    k.copy()
+    v.copy()
+
+
+def _append_seq(s: Store, seq_id: int, k: np.ndarray, v: np.ndarray) -> None:
+    for a in range(0, k.shape[1], CHUNK):
+        s.append("m", seq_id, k[:, a : a + CHUNK], v[:, a : a + CHUNK])
+
+
+def throughput(quick: bool) -> list[list[str]]:
+    """Per layout and level: append and get GB/s next to the two copy baselines, each a median, the baselines
+    re-measured next to every level (the machine is shared and noisy)."""
+    rows = []
+    for name, layout in LAYOUTS.items():
+        tokens = (512 if quick else 4096) if layout[1] == 3 else (256 if quick else 1024)
+        reps = 3 if quick else 5
+        k, v = random_kv(layout, tokens)
+        gb = 2 * k.nbytes / 1e9
+        dk, dv = np.empty_like(k), np.empty_like(v)
+        _copyto(dk, dv, k, v)  # fault the destination in once
+        for level in LEVELS:
+            s = make_store(level, layout)
+            _append_seq(s, 0, k, v)  # warm: the pool and the allocator reach steady state
+            app, get, copy, fresh = [], [], [], []
+            for rep in range(1, reps + 1):
+                s.drop("m", rep - 1)  # steady state: one sequence live, as in a serving store
+                app.append(median_time(functools.partial(_append_seq, s, rep, k, v), 1))
+                get.append(median_time(functools.partial(s.get, "m", rep), 1))
+                copy.append(median_time(functools.partial(_copyto, dk, dv, k, v), 1))
+                fresh.append(median_time(functools.partial(_fresh_copy, k, v), 1))
+            a_s, g_s, c_s, f_s = (statistics.median(x) for x in (app, get, copy, fresh))
+            rows.append([
+                name, str(tokens), level, f"{gb / a_s:.2f}", f"{gb / g_s:.2f}", f"{gb / c_s:.2f}",
+                f"{gb / f_s:.2f}", f"{c_s / a_s:.2f}x", f"{c_s / g_s:.2f}x", f"{f_s / g_s:.2f}x",
+            ])  # fmt: skip
+            del s
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ 2. tokens per GiB
+
+
+def tokens_per_gib(quick: bool) -> list[list[str]]:
+    rows = []
+    tokens = 4096
+    for name, layout in LAYOUTS.items():
+        # --quick keeps 2 layers: the ratio is per (sequence, layer) but for the per-sequence metadata
+        lay = (2, *layout[1:]) if quick else layout
+        k, v = random_kv(lay, tokens, seed=1)
+        raw = 2 * k.nbytes
+        used = {}
+        for level in LEVELS:
+            s = make_store(level, lay)
+            s.append("m", 1, k, v)
+            used[level] = s.stats()["used_bytes"] - sp.namespace_meta_bytes(lay[0])
+            del s
+        for level in LEVELS:
+            rows.append(
+                [
+                    name + (" [2 layers]" if quick else ""),
+                    level,
+                    f"{used[level] / 1e6:.2f}",
+                    f"{tokens * GiB / used[level]:,.0f}",
+                    f"{used['fp16'] / used[level]:.3f}x",
+                    f"{raw / used[level]:.3f}x",
+                ]
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ 3. re-compression
+
+
+def recompression(quick: bool) -> list[list[str]]:
+    rows = []
+    for name, layout in LAYOUTS.items():
+        tokens = 1024 if quick else 4096
+        if layout[1] == 8:
+            tokens //= 4
+        k, v = random_kv(layout, tokens, seed=2)
+        s = make_store("fp16", layout)
+        s.append("m", 1, k, v)
+        s.set_level("q4", 2)
+        before = s.stats()
+        t0 = time.perf_counter()
+        while s.stats()["compaction_backlog_bytes"]:
+            s.compact(8 << 20)  # bounded steps, as a server would call it between requests
+        dt = time.perf_counter() - t0
+        after = s.stats()
+        done = after["recompressed_bytes"] - before["recompressed_bytes"]
+        rows.append(
+            [
+                name,
+                str(tokens),
+                f"{done / 1e6:.1f}",
+                f"{dt:.2f}",
+                f"{done / dt / 1e9:.2f}",
+                f"{(before['used_bytes'] - after['used_bytes']) / 1e6:.1f}",
+            ]
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ 4. attention error
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_queries: int = 256) -> np.ndarray:
+    """Causal grouped-query attention output of the last ``n_queries`` queries, float64 ``[Hq, nq, D]``."""
+    t, hq, d = q.shape
+    g = hq // k.shape[1]
+    qq = q[-n_queries:].astype(np.float64).transpose(1, 0, 2)
+    kk = np.repeat(k.astype(np.float64), g, axis=1).transpose(1, 0, 2)
+    vv = np.repeat(v.astype(np.float64), g, axis=1).transpose(1, 0, 2)
+    s = qq @ kk.transpose(0, 2, 1) / np.sqrt(d)
+    s[:, np.arange(t)[None, :] > np.arange(t - n_queries, t)[:, None]] = -np.inf
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ vv
+
+
+def attention_error(quick: bool) -> list[list[str]] | None:
+    path = sample_path()
+    if not path.exists():
+        print(f"(real KV sample not found at {path}: attention error skipped)")
+        return None
+    with np.load(path, allow_pickle=False) as z:
+        n = sum(1 for f in z.files if f.endswith("_v"))
+        q = np.stack([z[f"L{i}_q"] for i in range(n)])
+        k = np.stack([z[f"L{i}_k"] for i in range(n)])
+        v = np.stack([z[f"L{i}_v"] for i in range(n)])
+    layers, t, heads, dim = k.shape
+    ref = [attention(q[i], k[i], v[i]) for i in range(layers)]
+    configs = {"none": (0, 0), "sink 4": (4, 0), "window 128": (0, 128), "sink 4 + window 128": (4, 128)}
+    if quick:
+        configs = {"none": (0, 0), "sink 4": (4, 0)}
+    levels: list[tuple[str, list[tuple[str, int]]]] = [
+        (lv, [(lv, 1)]) for lv in ("q8", "fp8_e4m3", "fp8_e5m2", "q4")
+    ]
+    levels.append(("q8 -> q4 (re-compressed)", [("q8", 1), ("q4", 2)]))
+    rows = []
+    for label, steps in levels:
+        for cname, (sink, window) in configs.items():
+            first = steps[0][0]
+            s = make_store(first, (layers, heads, dim), sink_tokens=sink, window_tokens=window)
+            for a, b in ((0, 100), (100, 101), (101, t)):
+                s.append("m", 1, k[:, a:b], v[:, a:b])
+            for fmt, epoch in steps[1:]:
+                s.set_level(fmt, epoch)
+                s.compact(1 << 40)
+            gk, gv = s.get("m", 1)
+            errs = [
+                float(np.linalg.norm(attention(q[i], gk[i], gv[i]) - ref[i]) / np.linalg.norm(ref[i]))
+                for i in range(layers)
+            ]
+            rows.append([label, cname, f"{100 * np.mean(errs):.2f}%", f"{100 * np.max(errs):.2f}%"])
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def table(header: list[str], rows: list[list[str]]) -> None:
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    print(f"kernels backend: {kernels.BACKEND}; page_tokens 64, sink_tokens 4, window_tokens 0 (defaults)\n")
+
+    print("## Throughput (GB/s of fp16 keys + values; medians)\n")
+    table(
+        [
+            "layout",
+            "tokens",
+            "level",
+            "append",
+            "get",
+            "copyto (reused)",
+            "copy (fresh)",
+            "append / copyto",
+            "get / copyto",
+            "get / fresh copy",
+        ],
+        throughput(args.quick),
+    )
+
+    print("## Tokens held per GiB, 4,096-token sequences, default settings\n")
+    table(
+        ["layout", "level", "used MB / seq", "tokens per GiB", "vs fp16 store", "vs raw fp16 bytes"],
+        tokens_per_gib(args.quick),
+    )
+
+    print("## Re-compression fp16 -> q4 (compact in 8 MiB steps)\n")
+    table(["layout", "tokens", "fp16 MB re-encoded", "seconds", "GB/s", "MB freed"], recompression(args.quick))
+
+    rows = attention_error(args.quick)
+    if rows is not None:
+        print("## Attention error of the real sample through the store (eps_O over 30 layers)\n")
+        table(["level", "protection", "mean", "worst"], rows)
+    print(f"(total {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,598 @@
+"""The paged KV store of one shard: hot tails, sealed pages, protection, compaction, eviction, accounting.
+
+Theory of operation
+-------------------
+A namespace fixes a layout (``num_layers`` L, ``num_kv_heads`` H, ``head_dim`` D). A sequence is, per layer, a
+list of sealed pages of ``page_tokens`` (P) tokens plus at most one *hot tail*. All layers receive the same
+tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P, (r+1)*P)`` of every layer.
+
+* **Hot tail.** One float16 array ``[2, L, P, H, D]`` (keys, values) per sequence, allocated lazily when a token
+  lands in a partial page and written in place. When it fills, the row is sealed and the array is reused for
+  the next tokens or released; a sequence whose length is a multiple of P holds no tail.
+* **Sealing.** A full page is encoded with :func:`kvd.pages.encode_into` into a *record* (one ``bytearray``:
+  key page, value page, 32-byte history trailer; :mod:`kvd.store_pool`) at the format of the level in force,
+  unless protected: a page holding any of the first ``sink_tokens`` tokens, a page of a ``raw_layers`` layer,
+  or a page still inside the last ``window_tokens`` tokens stays fp16; ``raw_heads`` stay fp16 inside
+  quantized pages. A window page is encoded at the level in force when its last token leaves the window.
+* **Levels.** ``Level.FP16`` seals fp16 pages, ``Level.Q8`` and ``Level.FP8`` both mean the 8-bit rung and seal
+  at the store's ``eight_bit`` format (``Level.FP8`` while ``eight_bit == "q8"`` seals ``fp8_e4m3``: the order
+  asked for a float format), ``Level.Q4`` seals q4. Orders carry epochs; an older epoch is ignored.
+* **Compaction.** Rows become compaction candidates, in a log, in the order they become eligible (sealed out of
+  the window and not protected): the log order is the age order. After a level rise, :meth:`Store.compact`
+  walks the log from the oldest row and re-encodes (decode, then encode at the new format) every page on a
+  lower rung, within a byte budget per call. Re-encoding an 8-bit page to q4 quantizes a second time, so its
+  error is that of q4 plus the 8-bit error it already had. Level drops only change new pages.
+* **Accounting.** ``used_bytes`` = every record's length + every hot tail's full size + the pool's free buffers
+  + stated metadata charges (:mod:`kvd.store_pool`: per page, per logged row, per sequence and layer, per
+  namespace). An append computes the bytes it will allocate before touching anything; if they do not fit it
+  empties the pool, then evicts least-recently-used whole sequences (``eviction="lru"``, never the sequence
+  being appended to) or refuses with :class:`~kvd.errors.OutOfMemory` (``"none"``, or when the sequence alone
+  cannot fit). The check counts the peak (new buffers are allocated before the ones they replace are freed),
+  so ``used_bytes`` never exceeds ``capacity_bytes``.
+* **All or nothing.** An append validates shapes and dtypes, then builds every new buffer (pages it seals, pages
+  leaving the window, a new tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
+  tokens that will sit in the hot tail are checked before they are copied. Only then does it commit, with
+  operations that cannot fail. On any error the new buffers go back where they came from.
+
+Defaults, measured (bench/store.py; module docstring of kvd.pages for the codec):
+``page_tokens=64`` matches the q8 key group of 64 tokens (8.25 bits per value; with 32 the format costs 8.5
+bits and caps the gain at 1.88x); ``sink_tokens=4`` keeps the first page raw, which on the real sample takes
+the q8 attention error from 1.07% to 0.90% and q4 from 8.78% to 7.95%, for one fp16 page per (sequence,
+layer); ``window_tokens=0`` because the hot tail already is a full-precision window of the last 0..P-1 tokens,
+and a real window costs too much memory for its gain: 128 tokens take the q8 error to 0.68% (with the sink) but add
+two fp16 pages per (sequence, layer), which caps q8 at 1.85x for 4,096-token sequences, under the 1.9x target.
+With the defaults, a 4,096-token sequence of the sample layout takes 1.905x fewer bytes at q8 than at fp16 and
+3.07x fewer at q4 (7B-class layout: 1.91x, 3.09x), page headers and metadata included.
+
+Thread safety: every public method holds one lock, so a reporting thread may call :meth:`Store.stats` at any
+time. Pure core: no Ray, no ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvd import pages, store_seq
+from kvd import store_pool as sp
+from kvd.errors import ConfigError, InvalidArgument, LayoutMismatch, OutOfMemory, UnknownNamespace, UnknownSequence
+from kvd.policy import Level
+from kvd.store_seq import RAW, Namespace, Seq, SeqId, int_arg, int_tuple, refuse_nonfinite, seq_id_arg
+
+__all__ = ["Store", "EIGHT_BIT_FORMATS", "DEFAULT_PAGE_TOKENS", "DEFAULT_SINK_TOKENS", "DEFAULT_WINDOW_TOKENS"]
+
+DEFAULT_PAGE_TOKENS = 64
+DEFAULT_SINK_TOKENS = 4
+DEFAULT_WINDOW_TOKENS = 0
+EIGHT_BIT_FORMATS = ("q8", "fp8_e4m3", "fp8_e5m2")
+MAX_EPOCH = 2**63 - 1
+
+
+def _rows_contiguous(a: np.ndarray) -> np.ndarray:
+    """``a`` ``[L, T, H, D]`` as is if every ``a[i, t0:t1]`` is C-contiguous (what a page encoder takes; true for
+    a token slice of a C-contiguous array, the usual chunked-append input), else a C-contiguous copy."""
+    item = a.itemsize
+    _, _, h, d = a.shape
+    if a.strides[1:] == (h * d * item, d * item, item):
+        return a
+    return np.ascontiguousarray(a)
+
+
+class Store:
+    """One shard's paged, adaptively quantized KV memory. See the module docstring for the model.
+
+    ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
+    ``page_tokens`` (P, default 64), ``window_tokens`` (default 0), ``sink_tokens`` (default 4),
+    ``raw_layers`` / ``raw_heads`` (indices kept fp16 in every namespace; registering a layout they do not
+    fit is refused), ``eviction`` (``"lru"`` or ``"none"``), ``eight_bit`` (the 8-bit rung's page format:
+    ``"q8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``). Bad options raise :class:`~kvd.errors.ConfigError`.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        window_tokens: int = DEFAULT_WINDOW_TOKENS,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        raw_layers: Iterable[int] = (),
+        raw_heads: Iterable[int] = (),
+        eviction: str = "lru",
+        eight_bit: str = "q8",
+    ) -> None:
+        self.capacity_bytes = int_arg("capacity_bytes", capacity_bytes, 1, None, ConfigError)
+        self.page_tokens = int_arg("page_tokens", page_tokens, 1, 65535, ConfigError)
+        self.window_tokens = int_arg("window_tokens", window_tokens, 0, None, ConfigError)
+        self.sink_tokens = int_arg("sink_tokens", sink_tokens, 0, None, ConfigError)
+        self.raw_layers = int_tuple("raw_layers", raw_layers)
+        self.raw_heads = int_tuple("raw_heads", raw_heads)
+        if eviction not in ("lru", "none"):
+            raise ConfigError(f"eviction must be 'lru' or 'none', got {eviction!r}")
+        if eight_bit not in EIGHT_BIT_FORMATS:
+            raise ConfigError(f"eight_bit must be one of {EIGHT_BIT_FORMATS}, got {eight_bit!r}")
+        self.eviction = eviction
+        self.eight_bit = eight_bit
+        self._sink_rows = -(-self.sink_tokens // self.page_tokens)  # rows holding any sink token
+        self._lock = threading.RLock()
+        self._ns: dict[str, Namespace] = {}
+        self._seqs: OrderedDict[tuple[str, SeqId], Seq] = OrderedDict()  # least recently used first
+        self._ledger = sp.Ledger(min(sp.POOL_MAX_BYTES, self.capacity_bytes // sp.POOL_CAPACITY_DIVISOR))
+        self._log = store_seq.CompactionLog()
+        self._level = Level.FP16
+        self._fmt = RAW
+        self._epoch = 0
+        self._ns_meta = 0
+        self._tokens = 0
+        self._appends = self._gets = self._evictions = self._evicted_tokens = self._refusals = 0
+        self._recompressed_pages = self._recompressed_bytes = self._window_encodes = 0
+
+    # ------------------------------------------------------------------------------------------ levels
+
+    def format_for(self, level: Level | str) -> str:
+        """The page format sealed under ``level`` (see the module docstring)."""
+        lv = Level.parse(level)
+        if lv is Level.FP16:
+            return RAW
+        if lv is Level.Q4:
+            return "q4"
+        if lv is Level.Q8 or self.eight_bit.startswith("fp8"):
+            return self.eight_bit
+        return "fp8_e4m3"
+
+    def set_level(self, level: Level | str, epoch: int) -> bool:
+        """Apply a level order. Returns True if applied; False if ``epoch`` is older than the newest applied or
+        it repeats the current (epoch, level). The same epoch with another level is applied (last one wins).
+        A rise makes older pages compaction backlog (see :meth:`compact`); a drop changes only new pages."""
+        lv = Level.parse(level)
+        ep = int_arg("epoch", epoch, 0, MAX_EPOCH)
+        with self._lock:
+            if ep < self._epoch or (ep == self._epoch and lv is self._level):
+                return False
+            self._epoch = ep
+            if lv is not self._level:
+                self._level = lv
+                self._fmt = self.format_for(lv)
+                self._log.cursor = 0
+            return True
+
+    # ------------------------------------------------------------------------------------------ namespaces
+
+    def register(self, namespace: str, *, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        """Register a layout. Registering the same layout again is a no-op; another layout raises
+        :class:`~kvd.errors.LayoutMismatch`, as does a layout that ``raw_layers``/``raw_heads`` do not fit."""
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidArgument(f"namespace must be a non-empty str, got {namespace!r}")
+        layers = int_arg("num_layers", num_layers, 1, 65535)
+        heads = int_arg("num_kv_heads", num_kv_heads, 1, 65535)
+        dim = int_arg("head_dim", head_dim, 1, 65535)
+        with self._lock:
+            old = self._ns.get(namespace)
+            if old is not None:
+                if (old.layers, old.heads, old.head_dim) != (layers, heads, dim):
+                    raise LayoutMismatch(
+                        f"namespace {namespace!r} is registered as (layers={old.layers}, kv_heads={old.heads}, "
+                        f"head_dim={old.head_dim}), not (layers={layers}, kv_heads={heads}, head_dim={dim})"
+                    )
+                return
+            if self.raw_layers and self.raw_layers[-1] >= layers:
+                raise LayoutMismatch(f"raw_layers {self.raw_layers} out of range for {layers} layers")
+            if self.raw_heads and self.raw_heads[-1] >= heads:
+                raise LayoutMismatch(f"raw_heads {self.raw_heads} out of range for {heads} kv heads")
+            self._ns[namespace] = Namespace(
+                namespace, layers, heads, dim,
+                raw_layers=self.raw_layers, raw_heads=self.raw_heads, page_tokens=self.page_tokens,
+            )  # fmt: skip
+            charge = sp.namespace_meta_bytes(layers)
+            self._ledger.meta_bytes += charge
+            self._ns_meta += charge
+
+    def _namespace(self, namespace: object) -> Namespace:
+        ns = self._ns.get(namespace) if isinstance(namespace, str) else None
+        if ns is None:
+            raise UnknownNamespace(f"namespace {namespace!r} is not registered")
+        return ns
+
+    def _sequence(self, namespace: object, seq_id: object) -> Seq:
+        ns = self._namespace(namespace)
+        key = (ns.name, seq_id_arg(seq_id))
+        seq = self._seqs.get(key)
+        if seq is None:
+            raise UnknownSequence(f"no sequence {key[1]!r} in namespace {ns.name!r}")
+        return seq
+
+    # ------------------------------------------------------------------------------------------ append
+
+    def append(self, namespace: str, seq_id: SeqId, keys: object, values: object) -> int:
+        """Append T tokens: ``keys`` and ``values`` ``[L, T, H, D]`` (all layers; float16, float32 or bfloat16).
+        Returns the new length. All or nothing: on any error (shape, dtype, NaN/Inf, out of memory) nothing is
+        stored. T = 0 is a no-op on an existing sequence and refused for a new one."""
+        with self._lock:
+            ns = self._namespace(namespace)
+            key = (ns.name, seq_id_arg(seq_id))
+            k16, v16 = self._check_kv(ns, keys, values)
+            seq = self._seqs.get(key)
+            if k16.shape[1] == 0:
+                if seq is None:
+                    raise InvalidArgument(f"a new sequence needs at least one token; {key[1]!r} got 0")
+            else:
+                seq = self._append(ns, key, seq, k16, v16)
+            self._seqs.move_to_end(key)
+            self._appends += 1
+            return seq.length
+
+    def _check_kv(self, ns: Namespace, keys: object, values: object) -> tuple[np.ndarray, np.ndarray]:
+        arrays = []
+        for name, x in (("keys", keys), ("values", values)):
+            a = np.asarray(x)
+            if a.ndim != 4 or a.shape[0] != ns.layers or a.shape[2:] != (ns.heads, ns.head_dim):
+                raise LayoutMismatch(
+                    f"{name} must be [L={ns.layers}, T, H={ns.heads}, D={ns.head_dim}] for namespace "
+                    f"{ns.name!r}, got shape {a.shape}"
+                )
+            arrays.append(a)
+        if arrays[0].shape != arrays[1].shape:
+            raise LayoutMismatch(f"keys {arrays[0].shape} and values {arrays[1].shape} differ in shape")
+        return _rows_contiguous(pages.as_f16(arrays[0], "keys")), _rows_contiguous(
+            pages.as_f16(arrays[1], "values")
+        )
+
+    def _row_fmt(self, ns: Namespace, row: int, layer: int, out_rows: int) -> str:
+        """The format a page is sealed at: raw if protected (raw layer, sink, in the window), else the level's."""
+        if ns.raw_layer[layer] or row < self._sink_rows or row >= out_rows:
+            return RAW
+        return self._fmt
+
+    def _loggable(self, ns: Namespace, row: int) -> bool:
+        # Protected rows never get compaction; rows sealed at q4 (the top rung) never need it.
+        return row >= self._sink_rows and bool(ns.quant_layers) and sp.RUNG[self._fmt] < 2
+
+    def _append(
+        self, ns: Namespace, key: tuple[str, SeqId], seq: Seq | None, k16: np.ndarray, v16: np.ndarray
+    ) -> Seq:
+        p, t, sink_rows, lf = self.page_tokens, k16.shape[1], self._sink_rows, self._fmt
+        n = seq.length if seq is not None else 0
+        n2 = n + t
+        f, r0, f2, r2 = n % p, n // p, n2 % p, n2 // p
+        out2 = max(0, n2 - self.window_tokens) // p  # rows entirely older than the window after this append
+        wd = seq.window_done if seq is not None else 0
+        rows = range(r0, r2)  # rows this append seals
+        exits = [r for r in range(wd, min(r0, out2)) if r >= sink_rows]  # sealed rows leaving the window
+        recode = lf != RAW and bool(ns.quant_layers)  # leaving the window means re-encoding at the level
+        new_tail = f == 0 and f2 > 0
+
+        # 1. what this append allocates at its peak (nothing is touched yet)
+        need = sum(ns.rec_bytes[self._row_fmt(ns, r, i, out2)] for r in rows for i in range(ns.layers))
+        need += len(rows) * ns.layers * sp.PAGE_META_BYTES
+        logged = [r for r in range(wd, out2) if self._loggable(ns, r)]
+        need += sp.ROW_META_BYTES * len(logged)
+        need += len(exits) * len(ns.quant_layers) * ns.rec_bytes[lf] if recode else 0
+        need += ns.tail_bytes + sp.TAIL_META_BYTES if new_tail else 0
+        need += ns.seq_meta if seq is None else 0
+
+        def validate() -> None:  # a full pass, only paid when the append has to make room
+            refuse_nonfinite(k16, "keys", n)
+            refuse_nonfinite(v16, "values", n)
+
+        self._reserve(need, seq, key, t, validate)
+
+        # 2. build everything off to the side
+        taken: sp.Taken = []
+        sealed: list[list[bytearray]] = []
+        swaps: list[tuple[int, int, bytearray]] = []
+        tail = seq.tail if seq is not None else None
+        keep = min(t, f2)  # the last `keep` input tokens end in the hot tail: checked here, copied below
+        try:
+            if keep:
+                refuse_nonfinite(k16[:, t - keep :], "keys", n2 - keep)
+                refuse_nonfinite(v16[:, t - keep :], "values", n2 - keep)
+            if f:
+                assert tail is not None
+                m = min(t, p - f)  # rows [f, f+m) of the tail are not visible until the length moves
+                np.copyto(tail[0, :, f : f + m], k16[:, :m])
+                np.copyto(tail[1, :, f : f + m], v16[:, :m])
+            for r in rows:
+                if r == r0 and f:
+                    assert tail is not None
+                    src_k, src_v, a = tail[0], tail[1], 0
+                else:
+                    src_k, src_v, a = k16, v16, r * p - n
+                recs = []
+                for i in range(ns.layers):
+                    fmt = self._row_fmt(ns, r, i, out2)
+                    held = fmt == RAW and r >= out2 and r >= sink_rows and not ns.raw_layer[i]
+                    recs.append(self._seal(ns, fmt, src_k[i, a : a + p], src_v[i, a : a + p], i, r, taken,
+                                           sp.FLAG_WINDOW if held else 0))  # fmt: skip
+                sealed.append(recs)
+            for r in exits if recode else ():
+                assert seq is not None
+                for i in ns.quant_layers:
+                    old = seq.pages[i][r]
+                    kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
+                    swaps.append((i, r, self._seal(ns, lf, kp, vp, i, r, taken, sp.FLAG_WINDOW)))
+            if new_tail:
+                tail = self._ledger.take_tail(ns.tail_shape, taken)
+                np.copyto(tail[0, :, :f2], k16[:, t - f2 :])
+                np.copyto(tail[1, :, :f2], v16[:, t - f2 :])
+        except BaseException:
+            self._ledger.give_back(taken)
+            raise
+        self._ledger.adopt(taken)
+
+        # 3. commit (nothing below can fail)
+        if seq is None:
+            seq = Seq(ns, key)
+            self._seqs[key] = seq
+            ns.sequences += 1
+            self._ledger.meta_bytes += ns.seq_meta
+        for i, r, rec in swaps:
+            old = seq.pages[i][r]
+            seq.pages[i][r] = rec
+            seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=True)
+            self._window_encodes += 1
+        for recs in sealed:
+            for i, rec in enumerate(recs):
+                seq.pages[i].append(rec)
+                seq.nbytes += self._ledger.add_page(rec)
+        for r in range(wd, out2):  # rows now out of the window, oldest first: compaction candidates
+            if r >= sink_rows:
+                for i in ns.quant_layers:
+                    rec = seq.pages[i][r]
+                    ns.backlog[sp.current_fmt(rec)] += len(rec)
+            if self._loggable(ns, r):
+                self._log.add(seq, r)
+                seq.nbytes += sp.ROW_META_BYTES
+                self._ledger.meta_bytes += sp.ROW_META_BYTES
+        seq.window_done = max(wd, out2)
+        if new_tail:
+            assert tail is not None
+            seq.tail = tail
+            seq.nbytes += self._ledger.add_tail(tail)
+        elif f and r2 > r0:
+            assert seq.tail is not None
+            if f2:
+                np.copyto(seq.tail[0, :, :f2], k16[:, t - f2 :])
+                np.copyto(seq.tail[1, :, :f2], v16[:, t - f2 :])
+            else:
+                seq.nbytes -= self._ledger.remove_tail(seq.tail, pool=True)
+                seq.tail = None
+        seq.length = n2
+        self._tokens += t
+        return seq
+
+    def _seal(
+        self, ns: Namespace, fmt: str, kp: np.ndarray, vp: np.ndarray, layer: int, row: int, taken: sp.Taken,
+        flags: int,
+    ) -> bytearray:  # fmt: skip
+        rec = self._ledger.take_record(ns.rec_bytes[fmt], taken)
+        p = self.page_tokens
+        sp.encode_record(
+            rec, fmt, ns.page_bytes[fmt], kp, vp, raw_heads=ns.raw_heads, epoch=self._epoch, flags=flags,
+            where=f"layer {layer}, tokens [{row * p}, {row * p + p})",
+        )  # fmt: skip
+        return rec
+
+    # ------------------------------------------------------------------------------------------ memory
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes accounted: records + hot tails + pooled free buffers + metadata charges."""
+        with self._lock:
+            return self._ledger.used
+
+    def _reserve(
+        self, need: int, seq: Seq | None, key: tuple[str, SeqId], t: int, validate: Callable[[], None]
+    ) -> None:
+        """Make room for ``need`` more bytes or raise OutOfMemory. ``validate`` runs first whenever room has to
+        be made, so bad data is refused before anything (pool, other sequences) is touched."""
+        cap = self.capacity_bytes
+        if self._ledger.used + need <= cap:
+            return
+        validate()
+        self._ledger.pool.clear()
+        self._prune_log(force=True)
+        if self._ledger.used + need <= cap:
+            return
+        floor = self._ns_meta + (seq.nbytes if seq is not None else 0)  # what evicting everyone else leaves
+        if self.eviction == "none" or floor + need > cap:
+            self._refusals += 1
+            why = "eviction is off" if self.eviction == "none" else "the sequence alone does not fit"
+            raise OutOfMemory(
+                f"append of {t} tokens to {key[1]!r} in {key[0]!r} needs {need} bytes; {self._ledger.used} of "
+                f"{cap} bytes are used ({why}); nothing was written"
+            )
+        # Evicting frees a sequence's buffers at once and its log entries at the next prune (done below).
+        while self._ledger.used - self._log.dead * sp.ROW_META_BYTES + need > cap:
+            victim = next(k for k in self._seqs if k != key)
+            self._evictions += 1
+            self._evicted_tokens += self._seqs[victim].length
+            self._remove(victim, pool=False)
+        self._prune_log(force=True)
+
+    def _remove(self, key: tuple[str, SeqId], *, pool: bool) -> None:
+        seq = self._seqs.pop(key)
+        ns = seq.ns
+        for i, recs in enumerate(seq.pages):
+            for r, rec in enumerate(recs):
+                if self._sink_rows <= r < seq.window_done and not ns.raw_layer[i]:
+                    ns.backlog[sp.current_fmt(rec)] -= len(rec)
+                self._ledger.remove_page(rec, pool=pool)
+        if seq.tail is not None:
+            self._ledger.remove_tail(seq.tail, pool=pool)
+        self._ledger.meta_bytes -= ns.seq_meta
+        self._log.forget(seq)  # its log entries stay charged until pruned
+        self._tokens -= seq.length
+        ns.sequences -= 1
+        seq.pages, seq.tail, seq.alive = [], None, False
+        self._prune_log(force=False)
+
+    def _prune_log(self, *, force: bool) -> None:
+        self._ledger.meta_bytes -= self._log.prune(force=force) * sp.ROW_META_BYTES
+
+    # ------------------------------------------------------------------------------------------ read
+
+    def get(
+        self,
+        namespace: str,
+        seq_id: SeqId,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens ``[start, end)`` (``end`` None = the length) of ``layers`` (None = all, in order) as float16
+        ``(keys, values)`` ``[L', end - start, H, D]``. Raises UnknownNamespace, UnknownSequence,
+        InvalidArgument (range, layers), CorruptPage (a damaged page; not expected)."""
+        with self._lock:
+            seq = self._sequence(namespace, seq_id)
+            s, e, lay = store_seq.check_range(seq, start, end, layers)
+            self._seqs.move_to_end(seq.key)
+            self._gets += 1
+            return store_seq.read(seq, s, e, lay, self.page_tokens)
+
+    def get_pages(
+        self,
+        namespace: str,
+        seq_id: SeqId,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> list[tuple[int, int, bytes, bytes]]:
+        """The stored pages covering ``[start, end)`` of ``layers``: ``(layer, token0, key_page, value_page)``
+        in the order of ``layers`` (None = ascending), then by token0. Pages may extend past the range; the hot
+        tail comes as an fp16 page of its filled tokens. An empty range gives the one page holding ``start``,
+        so :func:`kvd.pages.assemble` ``(entries, start, end, layers)`` always equals :meth:`get`."""
+        with self._lock:
+            seq = self._sequence(namespace, seq_id)
+            s, e, lay = store_seq.check_range(seq, start, end, layers)
+            self._seqs.move_to_end(seq.key)
+            self._gets += 1
+            return store_seq.page_entries(seq, s, e, lay, self.page_tokens)
+
+    def length(self, namespace: str, seq_id: SeqId) -> int:
+        """Tokens stored for the sequence. Raises UnknownNamespace / UnknownSequence."""
+        with self._lock:
+            return self._sequence(namespace, seq_id).length
+
+    def drop(self, namespace: str, seq_id: SeqId) -> bool:
+        """Forget a sequence and free its memory. Returns False if there was no such sequence."""
+        with self._lock:
+            ns = self._namespace(namespace)
+            key = (ns.name, seq_id_arg(seq_id))
+            if key not in self._seqs:
+                return False
+            self._remove(key, pool=True)
+            return True
+
+    # ------------------------------------------------------------------------------------------ compaction
+
+    def compact(self, budget_bytes: int) -> int:
+        """Re-encode, oldest first, sealed unprotected pages on a lower rung than the level in force, until the
+        stored bytes of the pages re-encoded in this call would exceed ``budget_bytes`` (a budget smaller than
+        one page does nothing). A page is only re-encoded if that makes it smaller (always so for real page
+        sizes; a page of a few tokens can grow at q4 through section alignment). Returns the bytes freed (the
+        fall of ``used_bytes``)."""
+        budget = int_arg("budget_bytes", budget_bytes, 0)
+        with self._lock:
+            if not self._backlog_bytes():
+                return 0
+            before, spent, log = self._ledger.used, 0, self._log
+            while log.cursor < len(log.entries):
+                seq, r = log.entries[log.cursor]
+                for i in seq.ns.quant_layers if seq.alive else ():
+                    rec = seq.pages[i][r]
+                    if not self._shrinks(seq.ns, sp.current_fmt(rec)):
+                        continue
+                    if spent + len(rec) > budget:
+                        return before - self._ledger.used
+                    if self._ledger.used + seq.ns.rec_bytes[self._fmt] > self.capacity_bytes:
+                        # The new page exists for an instant next to the old one. A full store still compacts
+                        # (that is how it stops being full): one page of transient overshoot, which
+                        # used_bytes never shows, and only after the pool is emptied.
+                        self._ledger.pool.clear()
+                    spent += len(rec)
+                    self._recompress(seq, i, r, rec)
+                log.cursor += 1
+            return before - self._ledger.used
+
+    def _shrinks(self, ns: Namespace, fmt: str) -> bool:
+        """Whether a page of ``fmt`` awaits re-encoding at the level in force (a higher rung, fewer bytes)."""
+        target = self._fmt
+        return sp.RUNG[fmt] < sp.RUNG[target] and ns.rec_bytes[target] < ns.rec_bytes[fmt]
+
+    def _backlog_bytes(self) -> int:
+        return sum(b for ns in self._ns.values() for fmt, b in ns.backlog.items() if b and self._shrinks(ns, fmt))
+
+    def _recompress(self, seq: Seq, layer: int, row: int, old: bytearray) -> None:
+        ns, fmt = seq.ns, self._fmt
+        kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
+        taken: sp.Taken = []
+        try:
+            rec = self._seal(ns, fmt, kp, vp, layer, row, taken, 0)
+        except BaseException:
+            self._ledger.give_back(taken)
+            raise
+        self._ledger.adopt(taken)
+        sp.copy_trailer_recompressed(old, rec, epoch=self._epoch, fmt=fmt)
+        seq.pages[layer][row] = rec
+        ns.backlog[sp.current_fmt(old)] -= len(old)
+        ns.backlog[fmt] += len(rec)
+        # the old buffer is freed, not pooled: compaction runs to free memory
+        seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=False)
+        self._recompressed_pages += 1
+        self._recompressed_bytes += len(old)
+
+    # ------------------------------------------------------------------------------------------ introspection
+
+    def explain(self, namespace: str, seq_id: SeqId, layer: int, token: int) -> dict[str, Any]:
+        """Why ``token`` of ``layer`` is stored as it is: ``{"level": page format tag, "page": row index,
+        "reasons": [str, ...], "sealed_level", "sealed_epoch", "recompressed": [[format, epoch], ...]}``.
+        Reasons: "hot tail", "raw layer", "sink", "window", "kept fp16 in the window until it aged out",
+        "sealed at level q8 (epoch 3)", "re-compressed to q4 at epoch 5", "raw heads [0] kept fp16"."""
+        with self._lock:
+            seq = self._sequence(namespace, seq_id)
+            return store_seq.explain(seq, layer, token, self.page_tokens, self._sink_rows)
+
+    def stats(self) -> dict[str, Any]:
+        """A consistent snapshot. Bytes: ``used_bytes`` (= ``page_bytes`` + ``tail_bytes`` + ``pool_bytes`` +
+        ``metadata_bytes``), ``capacity_bytes``, ``pressure`` (used / capacity), ``compaction_backlog_bytes``,
+        ``pages_by_level`` / ``bytes_by_level`` (sealed pages by format tag); the level (tag), its page
+        ``format`` and ``epoch``; ``tokens``, ``sequences``, ``namespaces``; counters (``gets`` counts get and
+        get_pages calls, ``refusals`` out-of-memory refusals, ``evictions`` evicted sequences)."""
+        with self._lock:
+            led = self._ledger
+            used = led.used
+            return {
+                "used_bytes": used,
+                "capacity_bytes": self.capacity_bytes,
+                "pressure": used / self.capacity_bytes,
+                "level": self._level.tag,
+                "format": self._fmt,
+                "epoch": self._epoch,
+                "tokens": self._tokens,
+                "sequences": len(self._seqs),
+                "namespaces": len(self._ns),
+                "evictions": self._evictions,
+                "evicted_tokens": self._evicted_tokens,
+                "refusals": self._refusals,
+                "compaction_backlog_bytes": self._backlog_bytes(),
+                "recompressed_pages": self._recompressed_pages,
+                "recompressed_bytes": self._recompressed_bytes,
+                "window_encodes": self._window_encodes,
+                "pages_by_level": {k: v for k, v in led.pages_by_fmt.items() if v},
+                "bytes_by_level": {k: v for k, v in led.bytes_by_fmt.items() if v},
+                "tail_pages": led.tails,
+                "tail_bytes": led.tail_bytes,
+                "page_bytes": led.record_bytes,
+                "pool_bytes": led.pool.bytes,
+                "metadata_bytes": led.meta_bytes,
+                "appends": self._appends,
+                "gets": self._gets,
+                "page_tokens": self.page_tokens,
+                "sink_tokens": self.sink_tokens,
+                "window_tokens": self.window_tokens,
+                "eight_bit": self.eight_bit,
+                "eviction": self.eviction,
+            }

@@ -1,0 +1,266 @@
+"""Page tables of :mod:`kvd.store`: namespaces, sequences, argument checks and the read side.
+
+A :class:`Namespace` fixes a layout and precomputes the byte size of every page format. A :class:`Seq` is one
+sequence's page table: per layer a list of sealed records (:mod:`kvd.store_pool`), one hot tail shared by all
+layers (``[2, L, P, H, D]`` float16: keys, values), and ``window_done``, the number of rows that have left the
+recent window. The functions here only read a sequence (decode pages, list them, explain one); everything that
+changes state, and the lock, stays in :class:`kvd.store.Store`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from kvd import pages
+from kvd import store_pool as sp
+from kvd.errors import ConfigError, InvalidArgument, KvdError, NonFiniteError
+
+RAW = "fp16"
+
+SeqId = str | int
+
+
+def int_arg(
+    name: str, value: object, lo: int, hi: int | None = None, err: type[KvdError] = InvalidArgument
+) -> int:
+    """``value`` as an int in ``[lo, hi]`` (bools refused), else ``err`` naming ``name`` and the value."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise err(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise err(f"{name} must be {rng}, got {v}")
+    return v
+
+
+def int_tuple(name: str, values: Iterable[object]) -> tuple[int, ...]:
+    """A sorted tuple of distinct non-negative ints (a store option), else ConfigError."""
+    try:
+        items = tuple(values)
+    except TypeError:
+        raise ConfigError(f"{name} must be a sequence of integers, got {values!r}") from None
+    out = tuple(int_arg(f"{name} entry", v, 0, None, ConfigError) for v in items)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{name} has duplicates: {out}")
+    return tuple(sorted(out))
+
+
+def seq_id_arg(seq_id: object) -> SeqId:
+    """A sequence id: a str or a non-negative int (numpy ints become int; bools are refused)."""
+    if isinstance(seq_id, str):
+        return seq_id
+    if isinstance(seq_id, numbers.Integral) and not isinstance(seq_id, bool) and int(seq_id) >= 0:
+        return int(seq_id)
+    raise InvalidArgument(f"seq_id must be a str or a non-negative int, got {type(seq_id).__name__} {seq_id!r}")
+
+
+def refuse_nonfinite(a: np.ndarray, name: str, t0: int) -> None:
+    """Raise NonFiniteError naming the first NaN/Inf of float16 ``a`` ``[L, T, H, D]`` (tokens offset by t0)."""
+    bad = (a.view(np.uint16) & 0x7FFF) >= 0x7C00
+    if bad.any():
+        i, t, h, d = (int(x) for x in np.argwhere(bad)[0])
+        raise NonFiniteError(
+            f"{name}[{i}, {t0 + t}, {h}, {d}] = {float(a[i, t, h, d])} is not finite; nothing was stored"
+        )
+
+
+class Namespace:
+    """A registered layout with its byte sizes: ``page_bytes[fmt] = (key page, value page)``, ``rec_bytes[fmt]``
+    (both pages + trailer), the hot tail's shape and size, and the compaction backlog of its sequences."""
+
+    __slots__ = (
+        "name", "layers", "heads", "head_dim", "quant_layers", "raw_layer", "raw_heads", "page_bytes",
+        "rec_bytes", "tail_shape", "tail_bytes", "seq_meta", "sequences", "backlog",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        name: str,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        *,
+        raw_layers: tuple[int, ...],
+        raw_heads: tuple[int, ...],
+        page_tokens: int,
+    ) -> None:
+        self.name, self.layers, self.heads, self.head_dim = name, layers, heads, head_dim
+        self.raw_layer = [i in raw_layers for i in range(layers)]
+        self.quant_layers = [i for i in range(layers) if not self.raw_layer[i]]
+        self.raw_heads = raw_heads
+        self.page_bytes: dict[str, tuple[int, int]] = {}
+        self.rec_bytes: dict[str, int] = {}
+        for fmt in pages.LEVELS:
+            rh = () if fmt == RAW else raw_heads
+            kb = pages.nbytes(fmt, page_tokens, heads, head_dim, role="key", raw_heads=rh)
+            vb = pages.nbytes(fmt, page_tokens, heads, head_dim, role="value", raw_heads=rh)
+            self.page_bytes[fmt] = (kb, vb)
+            self.rec_bytes[fmt] = kb + vb + sp.TRAILER_BYTES
+        self.tail_shape = (2, layers, page_tokens, heads, head_dim)
+        self.tail_bytes = 2 * layers * page_tokens * heads * head_dim * 2
+        self.seq_meta = sp.SEQ_META_BYTES + sp.LAYER_META_BYTES * layers
+        self.sequences = 0
+        # bytes of compaction-eligible records (unprotected, out of the window) by their current format
+        self.backlog = dict.fromkeys(pages.LEVELS, 0)
+
+
+class Seq:
+    """One sequence's page table (see the module docstring). ``nbytes`` is everything it accounts for."""
+
+    __slots__ = ("ns", "key", "length", "pages", "tail", "window_done", "nbytes", "alive", "logged")
+
+    def __init__(self, ns: Namespace, key: tuple[str, SeqId]) -> None:
+        self.ns = ns
+        self.key = key
+        self.length = 0
+        self.pages: list[list[bytearray]] = [[] for _ in range(ns.layers)]
+        self.tail: np.ndarray | None = None
+        self.window_done = 0  # rows [0, window_done) are out of the recent window (encoded, or protected)
+        self.nbytes = ns.seq_meta
+        self.alive = True
+        self.logged = 0  # rows of this sequence in the compaction log
+
+    def record_pages(self, layer: int, row: int) -> tuple[memoryview, memoryview]:
+        """The encoded key and value pages of a sealed record (views into it)."""
+        rec = self.pages[layer][row]
+        kb, vb = self.ns.page_bytes[sp.current_fmt(rec)]
+        mv = memoryview(rec)
+        return mv[:kb], mv[kb : kb + vb]
+
+
+def check_range(seq: Seq, start: object, end: object, layers: object) -> tuple[int, int, list[int]]:
+    """``(start, end, layers)`` checked against the sequence; InvalidArgument naming the bad value."""
+    n = seq.length
+    s = int_arg("start", start, 0, n)
+    e = n if end is None else int_arg("end", end, 0, n)
+    if s > e:
+        raise InvalidArgument(f"start {s} > end {e}")
+    if layers is None:
+        return s, e, list(range(seq.ns.layers))
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise InvalidArgument(f"layers must be a sequence of layer indices, got {layers!r}")
+    out = [int_arg("layer", i, 0, seq.ns.layers - 1) for i in layers]
+    if not out or len(set(out)) != len(out):
+        raise InvalidArgument(f"layers must be distinct and not empty, got {out}")
+    return s, e, out
+
+
+def read(seq: Seq, s: int, e: int, lay: list[int], p: int) -> tuple[np.ndarray, np.ndarray]:
+    """Decode tokens ``[s, e)`` of layers ``lay`` into new float16 arrays ``[len(lay), e - s, H, D]``: pages
+    lying fully inside the range straight into the output, partial ones through a scratch page."""
+    ns = seq.ns
+    keys = np.empty((len(lay), e - s, ns.heads, ns.head_dim), np.float16)
+    values = np.empty_like(keys)
+    sealed_end = len(seq.pages[0]) * p
+    scratch: np.ndarray | None = None
+    for j, i in enumerate(lay):
+        for r in range(s // p, min(-(-e // p), sealed_end // p)):
+            a = r * p
+            lo, hi = max(a, s), min(a + p, e)
+            for buf, dst in zip(seq.record_pages(i, r), (keys, values), strict=True):
+                if lo == a and hi == a + p:
+                    pages.decode_into(buf, dst[j, lo - s : hi - s])
+                else:
+                    if scratch is None:
+                        scratch = np.empty((p, ns.heads, ns.head_dim), np.float16)
+                    pages.decode_into(buf, scratch)
+                    dst[j, lo - s : hi - s] = scratch[lo - a : hi - a]
+        if e > sealed_end:
+            assert seq.tail is not None
+            lo = max(s, sealed_end)
+            keys[j, lo - s :] = seq.tail[0, i, lo - sealed_end : e - sealed_end]
+            values[j, lo - s :] = seq.tail[1, i, lo - sealed_end : e - sealed_end]
+    return keys, values
+
+
+def page_entries(seq: Seq, s: int, e: int, lay: list[int], p: int) -> list[tuple[int, int, bytes, bytes]]:
+    """``(layer, token0, key_page, value_page)`` covering ``[s, e)`` (the page holding ``s`` if empty), in the
+    order of ``lay`` then token0; the hot tail encoded as an fp16 page of its filled tokens."""
+    r_lo = min(s, seq.length - 1) // p
+    r_hi = max(-(-e // p), r_lo + 1)
+    n_sealed = len(seq.pages[0])
+    out: list[tuple[int, int, bytes, bytes]] = []
+    for i in lay:
+        for r in range(r_lo, min(r_hi, n_sealed)):
+            kp, vp = seq.record_pages(i, r)
+            out.append((i, r * p, bytes(kp), bytes(vp)))
+        if r_hi > n_sealed:
+            assert seq.tail is not None
+            fill = seq.length - n_sealed * p
+            tk = pages.encode(seq.tail[0, i, :fill], RAW, role="key")
+            tv = pages.encode(seq.tail[1, i, :fill], RAW, role="value")
+            out.append((i, n_sealed * p, tk, tv))
+    return out
+
+
+def explain(seq: Seq, layer: object, token: object, p: int, sink_rows: int) -> dict[str, Any]:
+    """See :meth:`kvd.store.Store.explain`."""
+    ns = seq.ns
+    i = int_arg("layer", layer, 0, ns.layers - 1)
+    tok = int_arg("token", token, 0, seq.length - 1)
+    r = tok // p
+    reasons: list[str] = []
+    recompressed: list[list[Any]] = []
+    info: dict[str, Any] = {
+        "level": RAW, "page": r, "reasons": reasons, "sealed_level": None, "sealed_epoch": None,
+        "recompressed": recompressed,
+    }  # fmt: skip
+    sealed = r < len(seq.pages[i])
+    if not sealed:
+        reasons.append("hot tail")
+    if ns.raw_layer[i]:
+        reasons.append("raw layer")
+    if r < sink_rows:
+        reasons.append("sink")
+    if not sealed:
+        return info
+    if r >= seq.window_done:
+        reasons.append("window")
+    se, e1, e2, sf, f1, f2, cur, flags = sp.read_trailer(seq.pages[i][r])
+    info.update(level=sp.FMT_NAME[cur], sealed_level=sp.FMT_NAME[sf], sealed_epoch=se)
+    if r < seq.window_done and r >= sink_rows and not ns.raw_layer[i]:
+        if flags & sp.FLAG_WINDOW:
+            reasons.append("kept fp16 in the window until it aged out")
+        reasons.append(f"sealed at level {sp.FMT_NAME[sf]} (epoch {se})")
+        for f_, e_ in ((f1, e1), (f2, e2)):
+            if f_ != sp.NO_FMT:
+                reasons.append(f"re-compressed to {sp.FMT_NAME[f_]} at epoch {e_}")
+                recompressed.append([sp.FMT_NAME[f_], e_])
+    if ns.raw_heads and sp.FMT_NAME[cur] != RAW:
+        reasons.append(f"raw heads {list(ns.raw_heads)} kept fp16")
+    return info
+
+
+class CompactionLog:
+    """Rows that may need re-compression, ``(seq, row)`` in the order they became eligible (sealed out of the
+    window, unprotected): the order of their age. ``cursor`` is where compaction resumes; a level change
+    restarts it. Entries of dropped sequences stay (and stay charged) until :meth:`prune` removes them."""
+
+    __slots__ = ("entries", "dead", "cursor")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[Seq, int]] = []
+        self.dead = 0
+        self.cursor = 0
+
+    def add(self, seq: Seq, row: int) -> None:
+        self.entries.append((seq, row))
+        seq.logged += 1
+
+    def forget(self, seq: Seq) -> None:
+        """``seq`` was dropped: its entries are dead from now on."""
+        self.dead += seq.logged
+
+    def prune(self, *, force: bool) -> int:
+        """Remove dead entries (when forced, or when they are half the log); returns how many went."""
+        dead = self.dead
+        if not dead or (not force and 2 * dead < len(self.entries)):
+            return 0
+        self.cursor = sum(1 for s, _ in self.entries[: self.cursor] if s.alive)
+        self.entries = [e for e in self.entries if e[0].alive]
+        self.dead = 0
+        return dead

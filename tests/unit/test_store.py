@@ -1,0 +1,564 @@
+"""The paged KV store (kvd.store): round trips, levels and epochs, protection, explain, inputs and errors,
+and real KV through the store at every level."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kvd import pages
+from kvd.errors import (
+    ConfigError,
+    InvalidArgument,
+    LayoutMismatch,
+    NonFiniteError,
+    UnknownNamespace,
+    UnknownSequence,
+)
+from kvd.policy import Level
+from kvd.store import Store
+
+NS = "m"
+MiB = 1 << 20
+
+
+def kv(layers: int, t: int, h: int, d: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((layers, t, h, d)) * 2
+    k[..., rng.integers(0, d)] *= 10  # an outlier channel, as real keys have
+    return k.astype(np.float16), rng.standard_normal((layers, t, h, d)).astype(np.float16)
+
+
+def store(layers: int = 2, h: int = 3, d: int = 64, capacity: int = 256 * MiB, **opts) -> Store:
+    s = Store(capacity, **opts)
+    s.register(NS, num_layers=layers, num_kv_heads=h, head_dim=d)
+    return s
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16)
+
+
+def codec(x: np.ndarray, chain: list[str], role: str, raw_heads: tuple[int, ...] = ()) -> np.ndarray:
+    for fmt in chain:
+        x = pages.decode(pages.encode(x, fmt, role=role, raw_heads=() if fmt == "fp16" else raw_heads))
+    return x
+
+
+def page_formats(s: Store, seq: object, layer: int = 0) -> list[str]:
+    return [pages.header(kp).level for lay, _, kp, _ in s.get_pages(NS, seq) if lay == layer]
+
+
+# ------------------------------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("chunks", [[300], [1] * 70, [63, 1, 64, 65, 7], [64, 64, 128], [5, 200, 3]])
+def test_fp16_round_trip_is_exact_for_any_chunking(chunks: list[int]) -> None:
+    s = store()
+    k, v = kv(2, sum(chunks), 3, 64)
+    t = 0
+    for c in chunks:
+        assert s.append(NS, "s", k[:, t : t + c], v[:, t : t + c]) == t + c
+        t += c
+    gk, gv = s.get(NS, "s")
+    assert gk.dtype == np.float16 and gk.shape == k.shape
+    np.testing.assert_array_equal(bits(gk), bits(k))
+    np.testing.assert_array_equal(bits(gv), bits(v))
+    assert s.length(NS, "s") == t
+    st = s.stats()
+    assert st["tokens"] == t and st["sequences"] == 1
+    assert st["tail_pages"] == (1 if t % 64 else 0)
+
+
+def test_hot_tail_is_allocated_lazily() -> None:
+    s = store()
+    k, v = kv(2, 129, 3, 64)
+    s.append(NS, 1, k[:, :128], v[:, :128])
+    assert s.stats()["tail_pages"] == 0 and s.stats()["tail_bytes"] == 0
+    s.append(NS, 1, k[:, 128:], v[:, 128:])
+    assert s.stats()["tail_pages"] == 1
+    assert s.stats()["tail_bytes"] == 2 * 2 * 64 * 3 * 64 * 2  # [2, L, P, H, D] float16
+
+
+@pytest.mark.parametrize("level", ["fp16", "q8", "q4"])
+def test_get_ranges_and_layers_match_the_whole(level: str) -> None:
+    s = store(layers=3)
+    s.set_level(level, 1)
+    k, v = kv(3, 250, 3, 64, seed=3)
+    s.append(NS, 7, k, v)
+    whole_k, whole_v = s.get(NS, 7)
+    rng = np.random.default_rng(0)
+    cases = [(0, 0), (250, 250), (0, 250), (64, 128), (63, 65), (249, 250), (200, 250), (10, 11)]
+    cases += [tuple(sorted(rng.integers(0, 251, 2))) for _ in range(10)]
+    for start, end in cases:
+        for layers in (None, [2], [2, 0], [1, 2, 0]):
+            gk, gv = s.get(NS, 7, start, end, layers)
+            lay = [0, 1, 2] if layers is None else layers
+            assert gk.shape == (len(lay), end - start, 3, 64)
+            np.testing.assert_array_equal(bits(gk), bits(whole_k[lay, start:end]))
+            np.testing.assert_array_equal(bits(gv), bits(whole_v[lay, start:end]))
+            entries = s.get_pages(NS, 7, start, end, layers)
+            assert [e[0] for e in entries] == sorted((e[0] for e in entries), key=lay.index)
+            ak, av = pages.assemble(entries, start, end, layers)
+            np.testing.assert_array_equal(bits(ak), bits(gk))
+            np.testing.assert_array_equal(bits(av), bits(gv))
+
+
+def test_get_pages_are_the_stored_pages_and_the_tail_is_an_fp16_page() -> None:
+    s = store(layers=1)
+    s.set_level("q8", 1)
+    k, v = kv(1, 150, 3, 64)
+    s.append(NS, 1, k, v)
+    entries = s.get_pages(NS, 1)
+    assert [(e[0], e[1]) for e in entries] == [(0, 0), (0, 64), (0, 128)]
+    heads = [pages.header(e[2]) for e in entries]
+    assert [h.level for h in heads] == ["fp16", "q8", "fp16"]  # sink page, sealed page, hot tail
+    assert [h.tokens for h in heads] == [64, 64, 22]
+    np.testing.assert_array_equal(bits(pages.decode(entries[2][2])), bits(k[0, 128:]))
+    # a range inside one page returns just that page
+    assert [(e[1]) for e in s.get_pages(NS, 1, 70, 80)] == [64]
+
+
+# ------------------------------------------------------------------------------------------ levels and epochs
+
+
+@pytest.mark.parametrize(
+    ("eight_bit", "expect"),
+    [
+        ("q8", {"fp16": "fp16", "q8": "q8", "fp8": "fp8_e4m3", "q4": "q4"}),
+        ("fp8_e4m3", {"fp16": "fp16", "q8": "fp8_e4m3", "fp8": "fp8_e4m3", "q4": "q4"}),
+        ("fp8_e5m2", {"fp16": "fp16", "q8": "fp8_e5m2", "fp8": "fp8_e5m2", "q4": "q4"}),
+    ],
+)
+def test_levels_seal_the_documented_formats(eight_bit: str, expect: dict[str, str]) -> None:
+    s = store(layers=1, eight_bit=eight_bit)
+    k, v = kv(1, 128, 3, 64)
+    for epoch, (tag, fmt) in enumerate(expect.items(), start=1):
+        assert s.format_for(tag) == fmt == s.format_for(Level.from_tag(tag))
+        assert s.set_level(Level.from_tag(tag) if epoch % 2 else tag, epoch)
+        assert s.stats()["level"] == tag and s.stats()["format"] == fmt
+        s.append(NS, tag, k, v)
+        assert page_formats(s, tag) == ["fp16", fmt]  # the first page is the sink
+        assert s.explain(NS, tag, 0, 100)["level"] == fmt
+
+
+def test_epochs_older_orders_are_ignored() -> None:
+    s = store()
+    assert s.stats()["epoch"] == 0 and s.stats()["level"] == "fp16"
+    assert s.set_level("q8", 5) is True
+    assert s.set_level("q4", 4) is False  # older: ignored
+    assert (s.stats()["level"], s.stats()["epoch"]) == ("q8", 5)
+    assert s.set_level(Level.Q8, 5) is False  # same epoch, same level: a no-op
+    assert s.set_level("q4", 5) is True  # same epoch, another level: applied
+    assert s.set_level("q4", 9) is True  # newer epoch, same level: the epoch advances
+    assert (s.stats()["level"], s.stats()["epoch"]) == ("q4", 9)
+    assert s.set_level("fp16", 8) is False
+    assert s.stats()["level"] == "q4"
+
+
+@pytest.mark.parametrize(
+    ("level", "epoch", "match"),
+    [("q2", 1, "q2"), ("fp8_e4m3", 1, "fp8_e4m3"), ("q8", -1, "-1"), ("q8", 1.5, "1.5"), ("q8", True, "True")],
+)
+def test_bad_level_orders_name_the_value(level: object, epoch: object, match: str) -> None:
+    s = store()
+    with pytest.raises(InvalidArgument, match=match):
+        s.set_level(level, epoch)  # type: ignore[arg-type]
+    assert s.stats()["epoch"] == 0
+
+
+def test_level_drop_changes_only_new_pages() -> None:
+    s = store(layers=1)
+    k, v = kv(1, 256, 3, 64)
+    s.set_level("q4", 1)
+    s.append(NS, 1, k[:, :128], v[:, :128])
+    s.set_level("fp16", 2)
+    assert s.stats()["compaction_backlog_bytes"] == 0
+    assert s.compact(1 << 30) == 0
+    s.append(NS, 1, k[:, 128:], v[:, 128:])
+    assert page_formats(s, 1) == ["fp16", "q4", "fp16", "fp16"]
+
+
+# ------------------------------------------------------------------------------------------ protection
+
+
+def test_sink_page_and_hot_tail_come_back_bit_exact_at_q4() -> None:
+    s = store(sink_tokens=4)
+    s.set_level("q4", 1)
+    k, v = kv(2, 64 * 3 + 10, 3, 64)
+    s.append(NS, 1, k, v)
+    gk, gv = s.get(NS, 1)
+    for sl in (slice(0, 64), slice(192, 202)):  # sink page, hot tail
+        np.testing.assert_array_equal(bits(gk[:, sl]), bits(k[:, sl]))
+        np.testing.assert_array_equal(bits(gv[:, sl]), bits(v[:, sl]))
+    for layer in range(2):  # the pages in between are exactly the codec's q4
+        for r in (1, 2):
+            sl = slice(64 * r, 64 * r + 64)
+            np.testing.assert_array_equal(bits(gk[layer, sl]), bits(codec(k[layer, sl], ["q4"], "key")))
+            np.testing.assert_array_equal(bits(gv[layer, sl]), bits(codec(v[layer, sl], ["q4"], "value")))
+    assert s.explain(NS, 1, 0, 3)["reasons"] == ["sink"]
+    assert s.explain(NS, 1, 1, 200)["reasons"] == ["hot tail"]
+
+
+@pytest.mark.parametrize(("sink", "raw_pages"), [(0, 0), (1, 1), (64, 1), (65, 2)])
+def test_sink_tokens_protect_every_page_they_touch(sink: int, raw_pages: int) -> None:
+    s = store(layers=1, sink_tokens=sink)
+    s.set_level("q8", 1)
+    k, v = kv(1, 256, 3, 64)
+    s.append(NS, 1, k, v)
+    assert page_formats(s, 1) == ["fp16"] * raw_pages + ["q8"] * (4 - raw_pages)
+
+
+def test_window_pages_stay_fp16_and_are_encoded_once_when_they_age_out() -> None:
+    s = store(layers=1, window_tokens=128, sink_tokens=0)
+    s.set_level("q8", 1)
+    k, v = kv(1, 400, 3, 64, seed=5)
+    s.append(NS, 1, k[:, :300], v[:, :300])
+    # 300 tokens: rows 0..3 sealed; rows 0, 1 end before token 172 = 300 - 128, rows 2, 3 are in the window
+    assert page_formats(s, 1) == ["q8", "q8", "fp16", "fp16", "fp16"]
+    assert "window" in s.explain(NS, 1, 0, 130)["reasons"]
+    gk, _ = s.get(NS, 1)
+    np.testing.assert_array_equal(bits(gk[:, 128:]), bits(k[:, 128:300]))
+    s.set_level("q4", 2)  # rows 2 and 3 leave the window under q4
+    s.append(NS, 1, k[:, 300:], v[:, 300:])
+    assert page_formats(s, 1) == ["q8", "q8", "q4", "q4", "fp16", "fp16", "fp16"]
+    assert s.stats()["window_encodes"] == 2
+    info = s.explain(NS, 1, 0, 130)
+    assert info["sealed_level"] == "q4" and info["recompressed"] == []
+    assert "kept fp16 in the window until it aged out" in info["reasons"]
+    gk, gv = s.get(NS, 1)
+    # encoded from the raw window copy: one quantization, not two
+    np.testing.assert_array_equal(bits(gk[0, 128:192]), bits(codec(k[0, 128:192], ["q4"], "key")))
+    np.testing.assert_array_equal(bits(gv[0, 192:256]), bits(codec(v[0, 192:256], ["q4"], "value")))
+    np.testing.assert_array_equal(bits(gk[:, 256:]), bits(k[:, 256:]))
+
+
+def test_raw_layers_and_raw_heads() -> None:
+    s = store(layers=3, h=4, d=32, raw_layers=(1,), raw_heads=(2,), sink_tokens=0)
+    s.set_level("q4", 1)
+    k, v = kv(3, 128, 4, 32, seed=9)
+    s.append(NS, 1, k, v)
+    gk, gv = s.get(NS, 1)
+    np.testing.assert_array_equal(bits(gk[1]), bits(k[1]))  # raw layer
+    np.testing.assert_array_equal(bits(gv[1]), bits(v[1]))
+    np.testing.assert_array_equal(bits(gk[:, :, 2]), bits(k[:, :, 2]))  # raw head in every layer
+    np.testing.assert_array_equal(bits(gv[:, :, 2]), bits(v[:, :, 2]))
+    assert not np.array_equal(bits(gk[0]), bits(k[0]))  # the rest is quantized
+    np.testing.assert_array_equal(bits(gk[2, :64]), bits(codec(k[2, :64], ["q4"], "key", (2,))))
+    assert s.explain(NS, 1, 1, 5)["reasons"] == ["raw layer"]
+    assert s.explain(NS, 1, 0, 5)["reasons"] == ["sealed at level q4 (epoch 1)", "raw heads [2] kept fp16"]
+    assert [pages.header(e[2]).raw_heads for e in s.get_pages(NS, 1, layers=[0])] == [(2,), (2,)]
+    with pytest.raises(LayoutMismatch, match="raw_heads"):
+        s.register("small", num_layers=3, num_kv_heads=2, head_dim=32)
+    with pytest.raises(LayoutMismatch, match="raw_layers"):
+        s.register("shallow", num_layers=1, num_kv_heads=4, head_dim=32)
+
+
+def test_explain_tells_the_history() -> None:
+    s = store(layers=1)
+    k, v = kv(1, 200, 3, 64)
+    s.append(NS, 1, k, v)
+    assert s.explain(NS, 1, 0, 100) == {
+        "level": "fp16",
+        "page": 1,
+        "reasons": ["sealed at level fp16 (epoch 0)"],
+        "sealed_level": "fp16",
+        "sealed_epoch": 0,
+        "recompressed": [],
+    }
+    s.set_level("q8", 3)
+    s.compact(1 << 30)
+    s.set_level("q4", 5)
+    s.compact(1 << 30)
+    info = s.explain(NS, 1, 0, 100)
+    assert info["level"] == "q4" and info["page"] == 1
+    assert info["reasons"] == [
+        "sealed at level fp16 (epoch 0)",
+        "re-compressed to q8 at epoch 3",
+        "re-compressed to q4 at epoch 5",
+    ]
+    assert info["recompressed"] == [["q8", 3], ["q4", 5]]
+    # the double quantization is exactly the codec's q8 then q4
+    gk, _ = s.get(NS, 1, 64, 128)
+    np.testing.assert_array_equal(bits(gk[0]), bits(codec(k[0, 64:128], ["fp16", "q8", "q4"], "key")))
+    tail = s.explain(NS, 1, 0, 199)
+    assert tail["level"] == "fp16" and tail["reasons"] == ["hot tail"] and tail["page"] == 3
+    with pytest.raises(InvalidArgument, match="200"):
+        s.explain(NS, 1, 0, 200)
+    with pytest.raises(InvalidArgument, match="layer"):
+        s.explain(NS, 1, 1, 0)
+
+
+# ------------------------------------------------------------------------------------------ inputs and errors
+
+
+def test_float32_and_bfloat16_inputs_are_stored_as_float16() -> None:
+    s = store()
+    k, v = kv(2, 70, 3, 64)
+    k32, v32 = (k.astype(np.float32) + 1e-4).astype(np.float32), v.astype(np.float32)
+    s.append(NS, "f32", k32, v32)
+    gk, gv = s.get(NS, "f32")
+    np.testing.assert_array_equal(bits(gk), bits(k32.astype(np.float16)))
+    kb, vb = k.astype(ml_dtypes.bfloat16), v.astype(ml_dtypes.bfloat16)
+    s.append(NS, "bf16", kb, vb)
+    gk, gv = s.get(NS, "bf16")
+    np.testing.assert_array_equal(bits(gk), bits(kb.astype(np.float32).astype(np.float16)))
+    np.testing.assert_array_equal(bits(gv), bits(vb.astype(np.float32).astype(np.float16)))
+
+
+def test_float32_beyond_float16_range_is_refused() -> None:
+    s = store()
+    k, v = kv(2, 10, 3, 64)
+    k32 = k.astype(np.float32)
+    k32[1, 4, 2, 7] = 1e6
+    with pytest.raises(NonFiniteError, match="1000000"):
+        s.append(NS, 1, k32, v)
+    assert s.stats()["sequences"] == 0
+
+
+@pytest.mark.parametrize("where", ["tail fill", "sealed page", "new tail", "remainder after a seal"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_values_are_refused_and_nothing_is_stored(where: str, bad: float) -> None:
+    s = store()
+    k, v = kv(2, 300, 3, 64)
+    s.append(NS, 1, k[:, :40], v[:, :40])
+    before = s.stats()
+    t, pos = {
+        "tail fill": (10, 5),
+        "sealed page": (200, 100),
+        "new tail": (24, 23),
+        "remainder after a seal": (100, 90),
+    }[where]
+    if where == "new tail":
+        s.append(NS, 1, k[:, 40:64], v[:, 40:64])  # now at a page boundary: the next tokens need a new tail
+        before = s.stats()
+    n = s.length(NS, 1)
+    nk, nv = k[:, n : n + t].copy(), v[:, n : n + t].copy()
+    nv[1, pos, 2, 5] = bad
+    with pytest.raises(NonFiniteError) as err:
+        s.append(NS, 1, nk, nv)
+    assert "values" in str(err.value)
+    after = s.stats()
+    for key in ("used_bytes", "tokens", "pages_by_level", "tail_bytes", "pool_bytes"):
+        assert after[key] == before[key], key
+    gk, gv = s.get(NS, 1)
+    np.testing.assert_array_equal(bits(gv), bits(v[:, :n]))
+    assert s.append(NS, 1, k[:, n : n + t], v[:, n : n + t]) == n + t  # and the store still works
+    np.testing.assert_array_equal(bits(s.get(NS, 1)[1]), bits(v[:, : n + t]))
+
+
+@pytest.mark.parametrize(
+    ("keys_shape", "values_shape", "dtype", "err", "match"),
+    [
+        ((2, 5, 3), (2, 5, 3), np.float16, LayoutMismatch, r"\(2, 5, 3\)"),
+        ((3, 5, 3, 64), (3, 5, 3, 64), np.float16, LayoutMismatch, r"\(3, 5, 3, 64\)"),
+        ((2, 5, 4, 64), (2, 5, 4, 64), np.float16, LayoutMismatch, "H=3"),
+        ((2, 5, 3, 32), (2, 5, 3, 32), np.float16, LayoutMismatch, "D=64"),
+        ((2, 5, 3, 64), (2, 6, 3, 64), np.float16, LayoutMismatch, r"\(2, 6, 3, 64\)"),
+        ((2, 5, 3, 64), (2, 5, 3, 64), np.float64, InvalidArgument, "float64"),
+        ((2, 5, 3, 64), (2, 5, 3, 64), np.int8, InvalidArgument, "int8"),
+        ((2, 0, 3, 64), (2, 0, 3, 64), np.float16, InvalidArgument, "at least one token"),
+    ],
+)
+def test_bad_arrays_are_refused_naming_the_value(keys_shape, values_shape, dtype, err, match) -> None:
+    s = store()
+    with pytest.raises(err, match=match):
+        s.append(NS, 1, np.zeros(keys_shape, dtype), np.zeros(values_shape, dtype))
+    assert s.stats()["sequences"] == 0 and s.stats()["used_bytes"] == s.stats()["metadata_bytes"]
+
+
+def test_empty_append_to_an_existing_sequence_is_a_no_op() -> None:
+    s = store()
+    k, v = kv(2, 5, 3, 64)
+    s.append(NS, 1, k, v)
+    used = s.stats()["used_bytes"]
+    assert s.append(NS, 1, k[:, :0], v[:, :0]) == 5
+    assert s.stats()["used_bytes"] == used
+
+
+@pytest.mark.parametrize("seq_id", [-1, 1.5, True, None, b"x", (1,)])
+def test_bad_seq_ids_name_the_value(seq_id: object) -> None:
+    s = store()
+    k, v = kv(2, 5, 3, 64)
+    with pytest.raises(InvalidArgument, match="seq_id"):
+        s.append(NS, seq_id, k, v)  # type: ignore[arg-type]
+
+
+def test_seq_ids_of_both_kinds_are_distinct() -> None:
+    s = store()
+    k, v = kv(2, 5, 3, 64)
+    s.append(NS, 1, k, v)
+    s.append(NS, np.int64(1), k, v)  # the same sequence
+    s.append(NS, "1", k[:, :2], v[:, :2])
+    assert s.length(NS, 1) == 10 and s.length(NS, "1") == 2
+
+
+def test_unknown_names_and_ranges_raise_clear_errors() -> None:
+    s = store()
+    k, v = kv(2, 100, 3, 64)
+    s.append(NS, 1, k, v)
+    with pytest.raises(UnknownNamespace, match="'nope'"):
+        s.append("nope", 1, k, v)
+    with pytest.raises(UnknownNamespace, match="'nope'"):
+        s.get("nope", 1)
+    with pytest.raises(UnknownSequence, match="2"):
+        s.get(NS, 2)
+    with pytest.raises(UnknownSequence):
+        s.length(NS, 2)
+    with pytest.raises(UnknownSequence):
+        s.explain(NS, 2, 0, 0)
+    assert s.drop(NS, 2) is False
+    with pytest.raises(UnknownNamespace):
+        s.drop("nope", 1)
+    for args, match in [
+        ((101,), "101"),
+        ((5, 101), "101"),
+        ((50, 40), "50 > end 40"),
+        ((-1,), "-1"),
+        ((0, None, [2]), "2"),
+        ((0, None, [0, 0]), "distinct"),
+        ((0, None, []), "empty"),
+        ((0, None, "0"), "layers"),
+        ((1.0,), "1.0"),
+    ]:
+        with pytest.raises(InvalidArgument, match=match):
+            s.get(NS, 1, *args)
+        with pytest.raises(InvalidArgument, match=match):
+            s.get_pages(NS, 1, *args)
+
+
+def test_register_checks_the_layout() -> None:
+    s = store()
+    s.register(NS, num_layers=2, num_kv_heads=3, head_dim=64)  # the same layout again: fine
+    with pytest.raises(LayoutMismatch, match="num_layers|layers=4"):
+        s.register(NS, num_layers=4, num_kv_heads=3, head_dim=64)
+    for kwargs, match in [
+        ({"num_layers": 0}, "num_layers"),
+        ({"num_kv_heads": -1}, "num_kv_heads"),
+        ({"head_dim": 2.0}, "head_dim"),
+    ]:
+        full = {"num_layers": 2, "num_kv_heads": 3, "head_dim": 64} | kwargs
+        with pytest.raises(InvalidArgument, match=match):
+            s.register("x", **full)
+    with pytest.raises(InvalidArgument, match="namespace"):
+        s.register("", num_layers=1, num_kv_heads=1, head_dim=1)
+    assert s.stats()["namespaces"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"capacity_bytes": 0}, "capacity_bytes"),
+        ({"page_tokens": 0}, "page_tokens"),
+        ({"window_tokens": -1}, "window_tokens"),
+        ({"sink_tokens": 1.5}, "sink_tokens"),
+        ({"raw_layers": (1, 1)}, "duplicates"),
+        ({"raw_heads": (-2,)}, "-2"),
+        ({"eviction": "fifo"}, "fifo"),
+        ({"eight_bit": "q4"}, "q4"),
+    ],
+)
+def test_bad_options_are_config_errors(kwargs: dict, match: str) -> None:
+    args = {"capacity_bytes": MiB} | kwargs
+    cap = args.pop("capacity_bytes")
+    with pytest.raises(ConfigError, match=match):
+        Store(cap, **args)
+
+
+def test_stats_can_be_read_from_another_thread_while_appending() -> None:
+    s = store()
+    k, v = kv(2, 64 * 20, 3, 64)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def reporter() -> None:
+        while not stop.is_set():
+            st = s.stats()
+            assert (
+                st["used_bytes"] == st["page_bytes"] + st["tail_bytes"] + st["pool_bytes"] + st["metadata_bytes"]
+            )
+            seen.append(st["tokens"])
+
+    th = threading.Thread(target=reporter)
+    th.start()
+    try:
+        for i in range(20):
+            s.append(NS, 1, k[:, 64 * i : 64 * i + 64], v[:, 64 * i : 64 * i + 64])
+    finally:
+        stop.set()
+        th.join(10)
+    assert seen and seen == sorted(seen) and all(t % 64 == 0 for t in seen)
+
+
+# ------------------------------------------------------------------------------------------ real KV
+
+
+def sample_path() -> Path:
+    env = os.environ.get("KVD_SAMPLE")
+    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared/data/smollm2_kv_sample.npz"
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_queries: int = 256) -> np.ndarray:
+    """Causal grouped-query attention output of the last n_queries queries, float64 [Hq, nq, D]."""
+    t, hq, d = q.shape
+    g = hq // k.shape[1]
+    qq = q[-n_queries:].astype(np.float64).transpose(1, 0, 2)
+    kk = np.repeat(k.astype(np.float64), g, axis=1).transpose(1, 0, 2)
+    vv = np.repeat(v.astype(np.float64), g, axis=1).transpose(1, 0, 2)
+    s = qq @ kk.transpose(0, 2, 1) / np.sqrt(d)
+    s[:, np.arange(t)[None, :] > np.arange(t - n_queries, t)[:, None]] = -np.inf
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ vv
+
+
+@pytest.fixture(scope="module")
+def sample() -> dict[str, np.ndarray]:
+    path = sample_path()
+    if not path.exists():
+        pytest.skip(f"real KV sample not found at {path}")
+    with np.load(path, allow_pickle=False) as z:
+        n = sum(1 for name in z.files if name.endswith("_v"))
+        return {
+            "q": np.stack([z[f"L{i}_q"] for i in range(n)]),
+            "k": np.stack([z[f"L{i}_k"] for i in range(n)]),
+            "v": np.stack([z[f"L{i}_v"] for i in range(n)]),
+        }
+
+
+# Mean attention error targets on this sample with the default store (sink page raw): BENCHMARKS.md.
+TARGETS = {"fp16": 0.0, "q8": 0.013, "fp8": 0.05, "q4": 0.09}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("level", ["fp16", "q8", "fp8", "q4"])
+def test_real_kv_through_the_store_at_each_level(sample: dict[str, np.ndarray], level: str) -> None:
+    q, k, v = sample["q"], sample["k"], sample["v"]
+    n_layers, t, h, d = k.shape
+    s = Store(256 * MiB)
+    s.register(NS, num_layers=n_layers, num_kv_heads=h, head_dim=d)
+    s.set_level(level, 1)
+    for a, b in ((0, 100), (100, 101), (101, 400), (400, t)):
+        s.append(NS, "doc", k[:, a:b], v[:, a:b])
+    gk, gv = s.get(NS, "doc")
+    fmt = s.format_for(level)
+    for layer in (0, 13, n_layers - 1):  # every page is exactly the codec's page; the sink page is raw
+        for r in range(t // 64):
+            chain = ["fp16"] if r == 0 else [fmt]
+            sl = slice(64 * r, 64 * r + 64)
+            np.testing.assert_array_equal(bits(gk[layer, sl]), bits(codec(k[layer, sl], chain, "key")))
+            np.testing.assert_array_equal(bits(gv[layer, sl]), bits(codec(v[layer, sl], chain, "value")))
+    errs = []
+    for layer in range(n_layers):
+        o = attention(q[layer], k[layer], v[layer])
+        errs.append(np.linalg.norm(attention(q[layer], gk[layer], gv[layer]) - o) / np.linalg.norm(o))
+    assert np.mean(errs) <= TARGETS[level]
+    if level != "fp16":
+        assert np.mean(errs) > 0  # the pages really are quantized
+    assert s.stats()["pages_by_level"] == (
+        {"fp16": n_layers * 8} if level == "fp16" else {"fp16": n_layers, fmt: n_layers * 7}
+    )
