@@ -33,8 +33,9 @@ not hold is refused on decode (:class:`~kvd.errors.CorruptPage`), never decoded 
 
 from __future__ import annotations
 
+import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -129,39 +130,6 @@ def scheme(level: str, role: str, head_dim: int) -> tuple[int, bool]:
     return AXIS_TOKEN, False
 
 
-def _sections(
-    level: str, axis: int, group: int, t: int, hq: int, d: int, n_raw: int
-) -> list[tuple[str, type, tuple[int, ...]]]:
-    """The payload's arrays in order: (name, dtype, shape). Each starts aligned to ALIGN_BYTES."""
-    out: list[tuple[str, type, tuple[int, ...]]] = []
-    if level == "fp16":
-        return [("raw", np.float16, (t * (hq + n_raw), d))]
-    if hq:
-        if axis == AXIS_TOKEN:
-            n, width = t * hq, d
-            meta_shape = (n, _ng(d, group))
-        else:
-            n, width = t, hq * d
-            meta_shape = (_ng(t, group), width)
-        if level == "q4":
-            out.append(("packed", np.uint8, (n, (width + 1) // 2)))
-            out.append(("scales", np.float16, meta_shape))
-            out.append(("mins", np.float16, meta_shape))
-        else:
-            out.append(("codes", np.int8 if level == "q8" else np.uint8, (n, width)))
-            out.append(("scales", np.float16, meta_shape))
-    if n_raw:
-        out.append(("rawheads", np.float16, (t, n_raw * d)))
-    return out
-
-
-def _payload_bytes(sections: Iterable[tuple[str, type, tuple[int, ...]]]) -> int:
-    total = 0
-    for _, dt, shape in sections:
-        total += _align(int(np.prod(shape)) * np.dtype(dt).itemsize)
-    return total
-
-
 def _check_dims(t: int, h: int, d: int) -> None:
     for name, v, hi in (("T", t, 2**32 - 1), ("H", h, 65535), ("D", d, 65535)):
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or not 1 <= v <= hi:
@@ -177,13 +145,118 @@ def _check_raw_heads(raw_heads: Sequence[int], h: int) -> tuple[int, ...]:
     return rh
 
 
+# ---------------------------------------------------------------------------------------------------------
+# layouts: everything about a page that its header determines, computed and checked once per header
+
+
+@dataclass(frozen=True, slots=True)
+class _Section:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # from the start of the page
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    level: str
+    axis: int
+    rotated: bool
+    group: int
+    shape: tuple[int, int, int]
+    raw_heads: tuple[int, ...]
+    prefix: int  # header + raw-head list, padded
+    size: int  # the whole page
+    matrix: tuple[int, int]  # the quantized heads as the kernel's 2-D matrix
+    sections: tuple[_Section, ...]
+    head: bytes  # the page's first `prefix` bytes with a zero checksum: constant for the layout
+    seed: int  # xxh3-64 of the header bytes the checksum covers: constant for the layout
+
+    def views(self, buf: object) -> dict[str, np.ndarray]:
+        return {
+            s.name: np.ndarray(s.shape, s.dtype, buffer=buf, offset=s.offset)  # type: ignore[call-overload]
+            for s in self.sections
+        }
+
+    def header(self, checksum: int) -> PageHeader:
+        t, h, d = self.shape
+        return PageHeader(
+            FORMAT_VERSION, self.level, self.axis, self.rotated, self.group, t, h, d, self.raw_heads,
+            self.size - self.prefix, checksum,
+        )  # fmt: skip
+
+
+def _build_layout(
+    level: str, axis: int, rotated: bool, group: int, t: int, h: int, d: int, rh: tuple[int, ...]
+) -> _Layout:
+    n_raw = len(rh)
+    hq = h - n_raw
+    prefix = _prefix_bytes(n_raw)
+    specs: list[tuple[str, type, tuple[int, ...]]] = []
+    if axis == AXIS_TOKEN:
+        matrix, meta = (t * hq, d), (t * hq, _ng(d, group))
+    elif axis == AXIS_CHANNEL:
+        matrix, meta = (t, hq * d), (_ng(t, group), hq * d)
+    else:
+        matrix, meta = (t * h, d), (0, 0)
+    if level == "fp16":
+        specs.append(("raw", np.float16, matrix))
+    elif hq:
+        if level == "q4":
+            specs += [("packed", np.uint8, (matrix[0], (matrix[1] + 1) // 2)), ("scales", np.float16, meta)]
+            specs.append(("mins", np.float16, meta))
+        else:
+            specs += [("codes", np.int8 if level == "q8" else np.uint8, matrix), ("scales", np.float16, meta)]
+    if n_raw:
+        specs.append(("rawheads", np.float16, (t, n_raw * d)))
+    sections, off = [], prefix
+    for name, dt, shape in specs:
+        n = math.prod(shape) * np.dtype(dt).itemsize
+        sections.append(_Section(name, np.dtype(dt), shape, off, n))
+        off += _align(n)
+    if off - prefix > 0xFFFFFFFF:
+        raise InvalidArgument(f"a page of {off - prefix} payload bytes exceeds the format's 4 GiB limit")
+    flags = FLAG_ROTATED if rotated else 0
+    head = bytearray(prefix)
+    _HEAD.pack_into(
+        head, 0, MAGIC, FORMAT_VERSION, _LEVEL_CODE[level], axis, flags, group, n_raw, t, h, d, off - prefix
+    )
+    struct.pack_into(f"<{n_raw}H", head, HEADER_BYTES, *rh)
+    seed = xxhash.xxh3_64_intdigest(bytes(head[: _HEAD.size]) + bytes(head[HEADER_BYTES:]))
+    return _Layout(
+        level, axis, rotated, group, (t, h, d), rh, prefix, off, matrix, tuple(sections), bytes(head), seed
+    )
+
+
+_MAX_CACHED_LAYOUTS = 4096  # bounds memory against a peer sending pages of ever-new shapes
+_ENCODE_LAYOUTS: dict[tuple[object, ...], _Layout] = {}
+_DECODE_LAYOUTS: dict[bytes, _Layout] = {}
+
+
+def _remember(cache: dict, key: object, layout: _Layout) -> _Layout:
+    if len(cache) >= _MAX_CACHED_LAYOUTS:
+        cache.clear()
+    cache[key] = layout
+    return layout
+
+
+def _encode_layout(level: str, role: str, t: int, h: int, d: int, raw_heads: Sequence[int]) -> _Layout:
+    key = (level, role, t, h, d, tuple(raw_heads))
+    lay = _ENCODE_LAYOUTS.get(key)
+    if lay is not None:
+        return lay
+    _check_dims(t, h, d)
+    rh = _check_raw_heads(raw_heads, h)
+    axis, rotated = scheme(level, role, d)
+    if level == "fp16":
+        rh = ()
+    return _remember(_ENCODE_LAYOUTS, key, _build_layout(level, axis, rotated, GROUPS[level], t, h, d, rh))
+
+
 def nbytes(level: str, T: int, H: int, D: int, *, role: str, raw_heads: Sequence[int] = ()) -> int:  # noqa: N803
     """The exact size in bytes of a page of ``T`` tokens, ``H`` heads, ``D`` head_dim encoded at ``level``."""
-    _check_dims(T, H, D)
-    rh = _check_raw_heads(raw_heads, H)
-    axis, _ = scheme(level, role, D)
-    n_raw = 0 if level == "fp16" else len(rh)
-    return _prefix_bytes(n_raw) + _payload_bytes(_sections(level, axis, GROUPS[level], T, H - n_raw, D, n_raw))
+    return _encode_layout(level, role, T, H, D, raw_heads).size
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -193,7 +266,7 @@ def nbytes(level: str, T: int, H: int, D: int, *, role: str, raw_heads: Sequence
 def as_f16(x: object, name: str = "x") -> np.ndarray:
     """``x`` as a float16 numpy array: float16 as is, float32 and bfloat16 converted (float32 values beyond the
     float16 range are refused). Accepts numpy arrays and anything ``numpy.asarray`` takes (a CPU torch tensor)."""
-    a = np.asarray(x)
+    a = x if type(x) is np.ndarray else np.asarray(x)
     if a.dtype == np.float16:
         return a
     if a.dtype == np.float32:
@@ -217,6 +290,18 @@ def bf16_bits_to_f16(bits: np.ndarray, name: str = "x") -> np.ndarray:
     return as_f16((b.view(np.uint16).astype(np.uint32) << 16).view(np.float32), name)
 
 
+def _page_input(x: object) -> np.ndarray:
+    a = as_f16(x)
+    if a.ndim != 3:
+        raise InvalidArgument(f"a page must be [T, H, D], got shape {a.shape}")
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def _bytes_view(buf: object) -> memoryview:
+    mv = memoryview(buf)  # type: ignore[arg-type]
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # encode
 
@@ -228,17 +313,9 @@ def encode(x: object, level: str, *, role: str, raw_heads: Sequence[int] = ()) -
     Raises InvalidArgument for a bad shape, dtype, level or role, NonFiniteError for NaN/Inf.
     """
     a = _page_input(x)
-    buf = bytearray(nbytes(level, *a.shape, role=role, raw_heads=raw_heads))
+    buf = bytearray(_encode_layout(level, role, *a.shape, raw_heads).size)
     encode_into(a, level, buf, role=role, raw_heads=raw_heads)
     return bytes(buf)
-
-
-def _page_input(x: object) -> np.ndarray:
-    a = as_f16(x)
-    if a.ndim != 3:
-        raise InvalidArgument(f"a page must be [T, H, D], got shape {a.shape}")
-    _check_dims(*a.shape)
-    return np.ascontiguousarray(a)
 
 
 def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Sequence[int] = ()) -> int:
@@ -247,104 +324,56 @@ def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Seq
     Returns the number of bytes written. Nothing useful is left in ``out`` if it raises.
     """
     a = _page_input(x)
-    t, h, d = a.shape
-    rh = _check_raw_heads(raw_heads, h)
-    axis, rotated = scheme(level, role, d)
-    if level == "fp16":
-        rh = ()
-    n_raw = len(rh)
-    hq = h - n_raw
-    group = GROUPS[level]
-    sections = _sections(level, axis, group, t, hq, d, n_raw)
-    size = _prefix_bytes(n_raw) + _payload_bytes(sections)
-    mv = memoryview(out).cast("B")
+    lay = _encode_layout(level, role, *a.shape, raw_heads)
+    mv = _bytes_view(out)
     if mv.readonly:
         raise InvalidArgument("out must be a writable buffer")
-    if len(mv) < size:
-        raise InvalidArgument(f"out holds {len(mv)} bytes, the page needs {size}")
-    raw = np.frombuffer(mv, dtype=np.uint8, count=size)
-    views = _views(raw, _prefix_bytes(n_raw), sections)
-
+    if len(mv) < lay.size:
+        raise InvalidArgument(f"out holds {len(mv)} bytes, the page needs {lay.size}")
+    v = lay.views(mv)
+    t, h, d = lay.shape
+    rh = lay.raw_heads
     if level == "fp16":
-        kernels.f16_copy_rows(a.reshape(t * h, d), views["raw"])
+        kernels.f16_copy_rows(a.reshape(lay.matrix), v["raw"])
     else:
-        q = a if not n_raw else np.ascontiguousarray(np.delete(a, rh, axis=1))
-        if n_raw:
-            kernels.f16_copy_rows(a[:, list(rh), :].reshape(t, n_raw * d), views["rawheads"])
-        if hq:
-            _encode_quantized(q, level, axis, group, rotated, views)
-    _write_header(raw, level, axis, group, rotated, t, h, d, rh, size - _prefix_bytes(n_raw))
-    return size
+        if rh:
+            kernels.f16_copy_rows(np.ascontiguousarray(a[:, list(rh), :]).reshape(t, len(rh) * d), v["rawheads"])
+        if len(rh) < h:
+            q = np.delete(a, rh, axis=1) if rh else a
+            _encode_matrix(lay, q.reshape(lay.matrix), v)
+    mv[: lay.prefix] = lay.head
+    _SUM.pack_into(mv, _HEAD.size, xxhash.xxh3_64_intdigest(mv[lay.prefix : lay.size], lay.seed))
+    return lay.size
 
 
-def _encode_quantized(
-    q: np.ndarray, level: str, axis: int, group: int, rotated: bool, v: dict[str, np.ndarray]
-) -> None:
-    t, hq, d = q.shape
-    m = q.reshape(t * hq, d) if axis == AXIS_TOKEN else q.reshape(t, hq * d)
-    if level == "q8":
-        if axis == AXIS_TOKEN:
-            kernels.q8_encode_rows(m, v["codes"], v["scales"], group)
+def _encode_matrix(lay: _Layout, m: np.ndarray, v: dict[str, np.ndarray]) -> None:
+    g = lay.group
+    if lay.level == "q8":
+        enc = kernels.q8_encode_rows if lay.axis == AXIS_TOKEN else kernels.q8_encode_cols
+        enc(m, v["codes"], v["scales"], g)
+    elif lay.level == "q4":
+        if lay.axis == AXIS_TOKEN:
+            kernels.q4_encode_rows(m, v["packed"], v["scales"], v["mins"], g, lay.rotated)
         else:
-            kernels.q8_encode_cols(m, v["codes"], v["scales"], group)
-    elif level.startswith("fp8"):
-        kernels.fp8_encode_rows(m, v["codes"], v["scales"], group, 0 if level == "fp8_e4m3" else 1)
-    elif axis == AXIS_TOKEN:
-        kernels.q4_encode_rows(m, v["packed"], v["scales"], v["mins"], group, rotated)
+            kernels.q4_encode_cols(m, v["packed"], v["scales"], v["mins"], g)
     else:
-        kernels.q4_encode_cols(m, v["packed"], v["scales"], v["mins"], group)
-
-
-def _views(
-    raw: np.ndarray, offset: int, sections: list[tuple[str, type, tuple[int, ...]]]
-) -> dict[str, np.ndarray]:
-    views = {}
-    for name, dt, shape in sections:
-        n = int(np.prod(shape)) * np.dtype(dt).itemsize
-        views[name] = raw[offset : offset + n].view(dt).reshape(shape)
-        offset += _align(n)
-    return views
-
-
-def _write_header(
-    raw: np.ndarray,
-    level: str,
-    axis: int,
-    group: int,
-    rotated: bool,
-    t: int,
-    h: int,
-    d: int,
-    rh: tuple[int, ...],
-    payload: int,
-) -> None:
-    flags = FLAG_ROTATED if rotated else 0
-    head = _HEAD.pack(MAGIC, FORMAT_VERSION, _LEVEL_CODE[level], axis, flags, group, len(rh), t, h, d, payload)
-    raw[: _HEAD.size] = np.frombuffer(head, np.uint8)
-    pre = _prefix_bytes(len(rh))
-    raw[HEADER_BYTES:pre] = 0
-    if rh:
-        raw[HEADER_BYTES : HEADER_BYTES + 2 * len(rh)] = np.frombuffer(struct.pack(f"<{len(rh)}H", *rh), np.uint8)
-    raw[_HEAD.size : HEADER_BYTES] = np.frombuffer(_SUM.pack(_checksum(raw, pre)), np.uint8)
-
-
-def _checksum(raw: np.ndarray, prefix: int) -> int:
-    """xxh3-64 of the payload, seeded with the xxh3-64 of every header byte but the checksum itself."""
-    seed = xxhash.xxh3_64_intdigest(
-        memoryview(raw[: _HEAD.size]).tobytes() + memoryview(raw[HEADER_BYTES:prefix]).tobytes()
-    )
-    return xxhash.xxh3_64_intdigest(memoryview(raw[prefix:]), seed=seed)
+        kernels.fp8_encode_rows(m, v["codes"], v["scales"], g, 0 if lay.level == "fp8_e4m3" else 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # decode
 
 
-def header(buf: object) -> PageHeader:
-    """Parse and check a page's header (not its checksum). Raises CorruptPage or UnsupportedVersion."""
-    mv = memoryview(buf).cast("B")
+def _decode_layout(mv: memoryview) -> _Layout:
+    """The layout a page's header describes, fully checked (cached by the header's bytes)."""
     if len(mv) < HEADER_BYTES:
         raise CorruptPage(f"page of {len(mv)} bytes is shorter than its {HEADER_BYTES}-byte header")
+    n_raw = mv[10] | (mv[11] << 8)
+    prefix = _prefix_bytes(n_raw)
+    key = bytes(mv[: _HEAD.size]) if n_raw == 0 else bytes(mv[: _HEAD.size]) + bytes(mv[HEADER_BYTES:prefix])
+    lay = _DECODE_LAYOUTS.get(key)
+    if lay is not None:
+        return lay
     magic, ver, lcode, axis, flags, group, n_raw, t, h, d, payload = _HEAD.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptPage(f"not a kvd page (magic {bytes(magic)!r})")
@@ -355,94 +384,100 @@ def header(buf: object) -> PageHeader:
     level = LEVELS[lcode]
     if not (1 <= t and 1 <= h and 1 <= d and (group >= 1 or level == "fp16") and flags & ~FLAG_ROTATED == 0):
         raise CorruptPage(f"inconsistent page header (T={t}, H={h}, D={d}, group={group}, flags={flags})")
-    expect_axis = (
-        {AXIS_NONE}
-        if level == "fp16"
-        else ({AXIS_TOKEN} if level.startswith("fp8") else {AXIS_TOKEN, AXIS_CHANNEL})
-    )
+    if level == "fp16":
+        expect_axis = {AXIS_NONE}
+    else:
+        expect_axis = {AXIS_TOKEN} if level.startswith("fp8") else {AXIS_TOKEN, AXIS_CHANNEL}
     rotated = bool(flags & FLAG_ROTATED)
     if axis not in expect_axis or (rotated and (level != "q4" or axis != AXIS_TOKEN or d & (d - 1))):
         raise CorruptPage(f"inconsistent page header (level {level}, axis {axis}, flags {flags})")
     if n_raw > h or (level == "fp16" and n_raw):
         raise CorruptPage(f"inconsistent page header ({n_raw} raw heads of {h})")
-    pre = _prefix_bytes(n_raw)
-    if len(mv) < pre:
+    if len(mv) < prefix:
         raise CorruptPage("page truncated inside its raw-head list")
     rh = struct.unpack_from(f"<{n_raw}H", mv, HEADER_BYTES)
     if list(rh) != sorted(set(rh)) or (rh and rh[-1] >= h):
         raise CorruptPage(f"inconsistent raw-head list {rh} for {h} heads")
-    expect = _payload_bytes(_sections(level, axis, group, t, h - n_raw, d, n_raw))
-    if payload != expect:
-        raise CorruptPage(f"payload length {payload} does not match the header's shape (expected {expect})")
-    (checksum,) = _SUM.unpack_from(mv, _HEAD.size)
-    return PageHeader(FORMAT_VERSION, level, axis, rotated, group, t, h, d, tuple(rh), payload, checksum)
+    if any(mv[HEADER_BYTES + 2 * n_raw : prefix]):
+        raise CorruptPage("non-zero padding after the raw-head list")
+    try:
+        lay = _build_layout(level, axis, rotated, group, t, h, d, tuple(rh))
+    except InvalidArgument as e:
+        raise CorruptPage(f"inconsistent page header: {e}") from None
+    if payload != lay.size - prefix:
+        raise CorruptPage(
+            f"payload length {payload} does not match the header's shape (expected {lay.size - prefix})"
+        )
+    return _remember(_DECODE_LAYOUTS, key, lay)
 
 
-def _verified(buf: object) -> tuple[PageHeader, np.ndarray]:
-    hd = header(buf)
-    mv = memoryview(buf).cast("B")
-    if len(mv) != hd.nbytes:
-        raise CorruptPage(f"page is {len(mv)} bytes, its header says {hd.nbytes}")
-    raw = np.frombuffer(mv, dtype=np.uint8)
-    if _checksum(raw, _prefix_bytes(len(hd.raw_heads))) != hd.checksum:
+def header(buf: object) -> PageHeader:
+    """Parse and check a page's header (not its checksum). Raises CorruptPage or UnsupportedVersion."""
+    mv = _bytes_view(buf)
+    lay = _decode_layout(mv)
+    return lay.header(_SUM.unpack_from(mv, _HEAD.size)[0])
+
+
+def _verified(buf: object) -> tuple[_Layout, memoryview]:
+    mv = _bytes_view(buf)
+    lay = _decode_layout(mv)
+    if len(mv) != lay.size:
+        raise CorruptPage(f"page is {len(mv)} bytes, its header says {lay.size}")
+    if xxhash.xxh3_64_intdigest(mv[lay.prefix :], lay.seed) != _SUM.unpack_from(mv, _HEAD.size)[0]:
         raise CorruptPage("page checksum mismatch: the page was damaged")
-    return hd, raw
+    return lay, mv
 
 
 def decode(buf: object) -> np.ndarray:
     """Decode a page to a new float16 array ``[T, H, D]``. Raises CorruptPage, UnsupportedVersion."""
-    hd, raw = _verified(buf)
-    out = np.empty(hd.shape, np.float16)
-    _decode_checked(hd, raw, out)
+    lay, mv = _verified(buf)
+    out = np.empty(lay.shape, np.float16)
+    _decode_checked(lay, mv, out)
     return out
 
 
 def decode_into(buf: object, out: np.ndarray) -> None:
     """Decode a page into ``out``, a writable C-contiguous float16 array of the page's shape ``[T, H, D]``."""
-    hd, raw = _verified(buf)
-    if not isinstance(out, np.ndarray) or out.dtype != np.float16 or out.shape != hd.shape:
+    lay, mv = _verified(buf)
+    if not isinstance(out, np.ndarray) or out.dtype != np.float16 or out.shape != lay.shape:
         raise InvalidArgument(
-            f"out must be a float16 array of shape {hd.shape}, "
+            f"out must be a float16 array of shape {lay.shape}, "
             f"got {getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', '')}"
         )
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise InvalidArgument("out must be writable and C-contiguous")
-    _decode_checked(hd, raw, out)
+    _decode_checked(lay, mv, out)
 
 
-def _decode_checked(hd: PageHeader, raw: np.ndarray, out: np.ndarray) -> None:
-    t, h, d = hd.shape
-    n_raw = len(hd.raw_heads)
-    hq = h - n_raw
-    v = _views(raw, _prefix_bytes(n_raw), _sections(hd.level, hd.axis, hd.group, t, hq, d, n_raw))
-    if hd.level == "fp16":
-        np.copyto(out.reshape(t * h, d), v["raw"])
+def _decode_checked(lay: _Layout, mv: memoryview, out: np.ndarray) -> None:
+    t, h, d = lay.shape
+    rh = lay.raw_heads
+    v = lay.views(mv)
+    if lay.level == "fp16":
+        np.copyto(out.reshape(lay.matrix), v["raw"])
         return
-    if not n_raw:
-        _decode_quantized(hd, v, out)
+    if not rh:
+        _decode_matrix(lay, v, out.reshape(lay.matrix))
         return
-    if hq:
-        q = np.empty((t, hq, d), np.float16)
-        _decode_quantized(hd, v, q)
-        keep = [i for i in range(h) if i not in set(hd.raw_heads)]
-        out[:, keep, :] = q
-    out[:, list(hd.raw_heads), :] = v["rawheads"].reshape(t, n_raw, d)
+    if len(rh) < h:
+        q = np.empty((t, h - len(rh), d), np.float16)
+        _decode_matrix(lay, v, q.reshape(lay.matrix))
+        out[:, [i for i in range(h) if i not in set(rh)], :] = q
+    out[:, list(rh), :] = v["rawheads"].reshape(t, len(rh), d)
 
 
-def _decode_quantized(hd: PageHeader, v: dict[str, np.ndarray], out: np.ndarray) -> None:
-    t, hq, d = out.shape
-    m = out.reshape(t * hq, d) if hd.axis == AXIS_TOKEN else out.reshape(t, hq * d)
-    if hd.level == "q8":
-        if hd.axis == AXIS_TOKEN:
-            kernels.q8_decode_rows(v["codes"], v["scales"], m, hd.group)
+def _decode_matrix(lay: _Layout, v: dict[str, np.ndarray], m: np.ndarray) -> None:
+    g = lay.group
+    if lay.level == "q8":
+        dec = kernels.q8_decode_rows if lay.axis == AXIS_TOKEN else kernels.q8_decode_cols
+        dec(v["codes"], v["scales"], m, g)
+    elif lay.level == "q4":
+        if lay.axis == AXIS_TOKEN:
+            kernels.q4_decode_rows(v["packed"], v["scales"], v["mins"], m, g, lay.rotated)
         else:
-            kernels.q8_decode_cols(v["codes"], v["scales"], m, hd.group)
-    elif hd.level.startswith("fp8"):
-        kernels.fp8_decode_rows(v["codes"], v["scales"], m, hd.group, 0 if hd.level == "fp8_e4m3" else 1)
-    elif hd.axis == AXIS_TOKEN:
-        kernels.q4_decode_rows(v["packed"], v["scales"], v["mins"], m, hd.group, hd.rotated)
+            kernels.q4_decode_cols(v["packed"], v["scales"], v["mins"], m, g)
     else:
-        kernels.q4_decode_cols(v["packed"], v["scales"], v["mins"], m, hd.group)
+        kernels.fp8_decode_rows(v["codes"], v["scales"], m, g, 0 if lay.level == "fp8_e4m3" else 1)
 
 
 # ---------------------------------------------------------------------------------------------------------
