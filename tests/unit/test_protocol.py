@@ -91,6 +91,9 @@ def examples() -> dict[str, Any]:
         "hello_request": p.HelloRequest(request_id=1),
         "hello_reply": p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="0.1.0",
                                                page_format_version=1, shard_id="shard-0", page_tokens=64),
+        "hello_reply_coordinator": p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="0.1.0",
+                                                           page_format_version=1, role="coordinator",
+                                                           shard_id="coordinator"),
         "ping_request": p.PingRequest(request_id=7),
         "ping_reply": p.PingReply(request_id=7),
         "register_request": p.RegisterRequest(request_id=2, namespace="smollm2", num_layers=30, num_kv_heads=3,
@@ -131,6 +134,11 @@ def examples() -> dict[str, Any]:
                                         details={"page": 1, "sealed_epoch": 2, "recompressed": [["q8", 2]]}),
         "error_reply": p.ErrorReply(request_id=14, code=6, error="UnknownSequence",
                                     message="no sequence 'req-9' in namespace 'smollm2'"),
+        "topology_request": p.TopologyRequest(request_id=15),
+        "topology_reply": p.TopologyReply(request_id=15, epoch=3, shards=(
+            {"id": "shard-0", "endpoint": "tcp://10.0.0.7:5555"}, {"id": "shard-1", "endpoint": "tcp://10.0.0.8:5555"}),
+            level="q8", level_epoch=2),
+        "topology_reply_empty": p.TopologyReply(request_id=16, epoch=0, shards=(), level="fp16", level_epoch=0),
         "error_reply_no_id": p.ErrorReply(request_id=None, code=10, error="ProtocolError",
                                           message="header is not valid msgpack"),
     }
@@ -249,10 +257,16 @@ MESSAGES: dict[str, Any] = {
     "stats_request": st.builds(p.StatsRequest, request_id=request_ids),
     "explain_request": st.builds(p.ExplainRequest, request_id=request_ids, namespace=namespaces,
                                  seq_id=seq_ids, layer=indices, token=positions),
-    "hello_reply": st.builds(lambda rid, text, n: p.HelloReply(
-        request_id=rid, kvd_version=text, page_format_version=n[0], shard_id=text, page_tokens=n[1] + 1,
-        max_header_bytes=4096 + n[2], max_frames=3 + n[3]),
-        request_ids, st.text(min_size=1, max_size=20), st.tuples(*[st.integers(0, 10**6)] * 4)),
+    "hello_reply": st.builds(lambda rid, text, n, shard: p.HelloReply(
+        request_id=rid, kvd_version=text, page_format_version=n[0], role="shard" if shard else "coordinator",
+        shard_id=text, page_tokens=n[1] + 1 if shard else None, max_header_bytes=4096 + n[2], max_frames=3 + n[3]),
+        request_ids, st.text(min_size=1, max_size=20), st.tuples(*[st.integers(0, 10**6)] * 4), st.booleans()),
+    "topology_request": st.builds(p.TopologyRequest, request_id=request_ids),
+    "topology_reply": st.builds(lambda rid, epoch, ids, level, level_epoch: p.TopologyReply(
+        request_id=rid, epoch=epoch, shards=tuple({"id": i, "endpoint": f"tcp://{i}:1"} for i in ids), level=level,
+        level_epoch=level_epoch), request_ids, positions, st.lists(st.text(min_size=1, max_size=12), unique=True,
+                                                                 max_size=6), st.text(min_size=1, max_size=8),
+        positions),
     "ping_reply": st.builds(p.PingReply, request_id=request_ids),
     "register_reply": st.builds(p.RegisterReply, request_id=request_ids),
     "append_reply": st.builds(p.AppendReply, request_id=request_ids, length=positions),
@@ -646,9 +660,42 @@ REPLIES_REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
                                           layers=[0], dtype="float16", shape=[1, 1, 1, 1]), b"12", b"12"],
      InvalidArgument, "does not match"),
     ("hello reply bad limits", [hdr(v=1, id=1, op="hello", ok=True, protocol_version=1, protocol_minor=0,
-                                    kvd_version="x", page_format_version=1, shard_id="s", page_tokens=1,
-                                    max_header_bytes=10, max_frame_bytes=1, max_frames=3,
+                                    kvd_version="x", page_format_version=1, role="shard", shard_id="s",
+                                    page_tokens=1, max_header_bytes=10, max_frame_bytes=1, max_frames=3,
                                     max_message_bytes=10)], InvalidArgument, "max_header_bytes"),
+    ("hello reply without role", [hdr(v=1, id=1, op="hello", ok=True, protocol_version=1, protocol_minor=0,
+                                      kvd_version="x", page_format_version=1, shard_id="s", page_tokens=1,
+                                      max_header_bytes=4096, max_frame_bytes=1, max_frames=3,
+                                      max_message_bytes=4096)], ProtocolError, "missing header field 'role'"),
+    ("hello reply unknown role", [hdr(v=1, id=1, op="hello", ok=True, protocol_version=1, protocol_minor=0,
+                                      kvd_version="x", page_format_version=1, role="proxy", shard_id="s",
+                                      page_tokens=1, max_header_bytes=4096, max_frame_bytes=1, max_frames=3,
+                                      max_message_bytes=4096)], InvalidArgument, "role must be one of"),
+    ("coordinator with page_tokens", [hdr(v=1, id=1, op="hello", ok=True, protocol_version=1, protocol_minor=0,
+                                          kvd_version="x", page_format_version=1, role="coordinator",
+                                          shard_id="c", page_tokens=64, max_header_bytes=4096, max_frame_bytes=1,
+                                          max_frames=3, max_message_bytes=4096)], InvalidArgument,
+     "nil for a coordinator"),
+    ("shards not an array", [hdr(v=1, id=1, op="topology", ok=True, epoch=1, shards={"id": "a"}, level="q8",
+                                 level_epoch=0)], ProtocolError, "shards must be an array"),
+    ("shard not a map", [hdr(v=1, id=1, op="topology", ok=True, epoch=1, shards=["a"], level="q8",
+                             level_epoch=0)], ProtocolError, "shards[0] must be a map"),
+    ("shard with an extra key", [hdr(v=1, id=1, op="topology", ok=True, epoch=1, level="q8", level_epoch=0,
+                                     shards=[{"id": "a", "endpoint": "e", "x": 1}])], ProtocolError,
+     "exactly the keys id and endpoint"),
+    ("shard id twice", [hdr(v=1, id=1, op="topology", ok=True, epoch=1, level="q8", level_epoch=0,
+                            shards=[{"id": "a", "endpoint": "e"}, {"id": "a", "endpoint": "f"}])], InvalidArgument,
+     "lists the shard id 'a' twice"),
+    ("shard endpoint is an int", [hdr(v=1, id=1, op="topology", ok=True, epoch=1, level="q8", level_epoch=0,
+                                      shards=[{"id": "a", "endpoint": 5}])], ProtocolError,
+     "shards[0].endpoint must be a string"),
+    ("negative epoch", [hdr(v=1, id=1, op="topology", ok=True, epoch=-1, shards=[], level="q8", level_epoch=0)],
+     InvalidArgument, "epoch must be in"),
+    # a repeated key inside a nested map (hand-written: {"v":1,"id":1,"op":"topology","ok":true,"epoch":1,
+    # "level":"q8","level_epoch":0,"shards":[{"id":"a","id":"b"}]})
+    ("duplicate key in a nested map", [b"\x88\xa1v\x01\xa2id\x01\xa2op\xa8topology\xa2ok\xc3\xa5epoch\x01"
+                                       b"\xa5level\xa2q8\xablevel_epoch\x00\xa6shards\x91\x82\xa2id\xa1a"
+                                       b"\xa2id\xa1b"], ProtocolError, "duplicate key"),
 ]
 
 
@@ -866,6 +913,30 @@ def test_routing_is_balanced_and_moves_only_the_removed_shards_keys() -> None:
     assert len(moved) == counts["shard-3"]
     shuffled = SHARDS[::-1]
     assert all(shuffled[p.owner(shuffled, ns, s)] == o for (ns, s), o in zip(keys[:500], before, strict=False))
+
+
+def test_router_matches_owner_and_is_reexported() -> None:
+    from kvd import routing
+
+    assert p.owner is routing.owner and p.rendezvous_score is routing.rendezvous_score
+    router = routing.Router(SHARDS)
+    rng = random.Random(3)
+    for _ in range(500):
+        seq: str | int = rng.randrange(2**63) if rng.random() < 0.5 else f"r{rng.randrange(10**6)}"
+        assert router.owner("ns", seq) == spec_owner(SHARDS, "ns", seq)
+    assert router.shard_ids == tuple(SHARDS)
+
+
+def test_topology_messages() -> None:
+    reply = examples()["topology_reply"]
+    back = p.decode_reply(as_bytes(p.encode_reply(reply)))
+    assert isinstance(back, p.TopologyReply) and back.shards == reply.shards and back.epoch == 3
+    with pytest.raises(InvalidArgument, match="twice"):
+        p.TopologyReply(request_id=1, epoch=1, shards=({"id": "a", "endpoint": "x"}, {"id": "a", "endpoint": "y"}),
+                        level="q8", level_epoch=0)
+    assert isinstance(p.decode_request([packb({"v": 1, "id": 4, "op": "topology"})]), p.TopologyRequest)
+    with pytest.raises(ProtocolError, match="expected 0 frames"):
+        p.decode_request([packb({"v": 1, "id": 4, "op": "topology"}), b"x"])
 
 
 def test_routing_refuses_bad_input() -> None:

@@ -1,0 +1,517 @@
+"""Field checks and tensor framing of the kvd wire protocol (docs/protocol.md), shared by the codec in
+:mod:`kvd.protocol` and the routing in :mod:`kvd.routing`. Pure: no zmq.
+
+A *check* is a function ``(field name, value, exception class for a wrong type) -> normalised value``. A value
+of the wrong type raises the given class (:class:`~kvd.errors.ProtocolError` for bytes off the wire,
+:class:`~kvd.errors.InvalidArgument` for a message a caller builds); a value of the right type outside its
+domain is always :class:`~kvd.errors.InvalidArgument`. Every message names the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+from msgpack.exceptions import StackError
+
+from kvd.errors import InvalidArgument, KvdError, MessageTooLarge, ProtocolError
+
+try:  # bfloat16 arrays need ml_dtypes; without it bfloat16 frames decode to their uint16 bit patterns
+    from ml_dtypes import bfloat16 as _BF16_TYPE
+
+    _BF16: np.dtype = np.dtype(_BF16_TYPE)
+except ImportError:  # pragma: no cover - depends on the environment
+    _BF16 = np.dtype("<u2")
+
+PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
+PROTOCOL_MINOR = 0  # additions a client can discover through hello; never changes the meaning of old fields
+
+_KIB = 1024
+_MIB = 1024 * _KIB
+DEFAULT_MAX_HEADER_BYTES = 128 * _KIB
+DEFAULT_MAX_FRAME_BYTES = 256 * _MIB
+DEFAULT_MAX_PAGES = 4096
+DEFAULT_MAX_FRAMES = 1 + 2 * DEFAULT_MAX_PAGES
+DEFAULT_MAX_MESSAGE_BYTES = DEFAULT_MAX_HEADER_BYTES + 2 * DEFAULT_MAX_FRAME_BYTES
+MAX_NAMESPACE_BYTES = 256
+MAX_SEQ_ID_BYTES = 1024
+MAX_TEXT_BYTES = 1024  # shard ids, versions, level tags, explain reasons, stats strings
+MAX_ERROR_MESSAGE_BYTES = 2048
+MAX_STATS_KEYS = 1024
+MAX_INDEX = 2**31 - 1  # layer indices and tensor dimensions fit a signed 32-bit integer
+MAX_POSITION = 2**63 - 1  # token positions, lengths and integer seq_ids fit a signed 64-bit integer
+MAX_REQUEST_ID = 2**64 - 1
+_MIN_HEADER_BYTES = 4 * _KIB  # room for any fixed-size header with maximal strings and an error message
+_MAX_MAP_LEN = MAX_STATS_KEYS
+_MIN_ARRAY_LEN = 1024
+
+DTYPES: dict[str, np.dtype] = {"float16": np.dtype("<f2"), "float32": np.dtype("<f4"), "bfloat16": _BF16}
+GET_FORMATS = ("fp16", "pages")
+
+SeqId = str | int
+Frame = bytes | memoryview
+PageEntry = tuple[int, int, Any, Any]  # (layer, token0, key page, value page)
+
+
+# ---- field checks: (field name, value, exception for a wrong type) -> normalised value ------------------------
+# A wrong type is a ProtocolError when it came off the wire and InvalidArgument when a caller built the message;
+# a value of the right type out of its range is always InvalidArgument.
+
+Check = Callable[[str, Any, type[KvdError]], Any]
+
+
+def show(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def is_int(value: Any) -> bool:
+    if type(value) is int:  # the common case, first: this runs for every integer field
+        return True
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def int_in(low: int, high: int, *, optional: bool = False) -> Check:
+    def check(name: str, value: Any, exc: type[KvdError]) -> int | None:
+        if type(value) is int and low <= value <= high:  # the common case, first
+            return value
+        if value is None and optional:
+            return None
+        if not is_int(value):
+            raise exc(f"{name} must be an integer{' or nil' if optional else ''}, got {show(value)}")
+        value = int(value)
+        if not low <= value <= high:
+            raise InvalidArgument(f"{name} must be in [{low}, {high}], got {value}")
+        return value
+
+    return check
+
+
+def text_in(max_bytes: int, *, nonempty: bool = True) -> Check:
+    def check(name: str, value: Any, exc: type[KvdError]) -> str:
+        if type(value) is str and value.isascii() and (0 if nonempty else -1) < len(value) <= max_bytes:
+            return value  # the common case, first: ASCII has one byte per character
+        if not isinstance(value, str):
+            raise exc(f"{name} must be a string, got {show(value)}")
+        try:
+            size = len(value.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"{name} is not encodable as UTF-8: {value[:80]!r}") from None
+        if size > max_bytes or (nonempty and size == 0):
+            raise InvalidArgument(f"{name} must be {'1' if nonempty else '0'} to {max_bytes} bytes of UTF-8, "
+                                  f"got {size} bytes: {value[:80]!r}")
+        return value
+
+    return check
+
+
+def check_bool(name: str, value: Any, exc: type[KvdError]) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise exc(f"{name} must be a boolean, got {show(value)}")
+    return bool(value)
+
+
+check_namespace = text_in(MAX_NAMESPACE_BYTES)
+check_position = int_in(0, MAX_POSITION)
+check_opt_position = int_in(0, MAX_POSITION, optional=True)
+check_index = int_in(0, MAX_INDEX)
+check_dim = int_in(1, MAX_INDEX)
+check_size = int_in(0, MAX_INDEX)
+check_short_text = text_in(MAX_TEXT_BYTES)
+
+
+def check_request_id(name: str, value: Any, exc: type[KvdError]) -> int:
+    if type(value) is int and 0 <= value <= MAX_REQUEST_ID:
+        return value
+    if not is_int(value) or not 0 <= value <= MAX_REQUEST_ID:  # part of the envelope: always exc's class
+        raise exc(f"{name} (request id) must be an integer in [0, 2**64), got {show(value)}")
+    return int(value)
+
+
+_seq_text = text_in(MAX_SEQ_ID_BYTES, nonempty=False)
+_stat_text = text_in(MAX_TEXT_BYTES, nonempty=False)
+_stat_int = int_in(-(2**63), MAX_REQUEST_ID)
+
+
+def check_seq_id(name: str, value: Any, exc: type[KvdError]) -> SeqId:
+    if type(value) is int and 0 <= value <= MAX_POSITION:
+        return value
+    if isinstance(value, str):
+        return _seq_text(name, value, exc)
+    if is_int(value):
+        return check_position(name, value, exc)
+    raise exc(f"{name} must be a string or a non-negative integer, got {show(value)}")
+
+
+def check_array(name: str, value: Any, exc: type[KvdError]) -> Sequence[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise exc(f"{name} must be an array, got {show(value)}")
+    return value
+
+
+def plain_int(value: Any, high: int) -> bool:
+    """A Python int (not bool) in [0, high]: the fast path of the checks for long arrays."""
+    return type(value) is int and 0 <= value <= high
+
+
+def check_layers(name: str, value: Any, exc: type[KvdError], *, optional: bool = True) -> tuple[int, ...] | None:
+    if value is None and optional:
+        return None
+    items = tuple(check_array(name, value, exc))
+    if not all(plain_int(v, MAX_INDEX) for v in items):
+        items = tuple(check_index(f"{name}[{i}]", v, exc) for i, v in enumerate(items))
+    if not items:
+        raise InvalidArgument(f"{name} must be nil or a non-empty array of layer indices, got []")
+    if len(set(items)) != len(items):
+        raise InvalidArgument(f"{name} lists a layer twice: {list(items)[:32]}")
+    return items
+
+
+def check_required_layers(name: str, value: Any, exc: type[KvdError]) -> tuple[int, ...]:
+    return check_layers(name, value, exc, optional=False)  # type: ignore[return-value]
+
+
+def check_get_format(name: str, value: Any, exc: type[KvdError]) -> str:
+    if not isinstance(value, str):
+        raise exc(f"{name} must be a string, got {show(value)}")
+    if value not in GET_FORMATS:
+        raise InvalidArgument(f"{name} must be one of {', '.join(GET_FORMATS)}, got {value[:80]!r}")
+    return value
+
+
+def check_text_list(name: str, value: Any, exc: type[KvdError]) -> tuple[str, ...]:
+    return tuple(check_short_text(f"{name}[{i}]", v, exc) for i, v in enumerate(check_array(name, value, exc)))
+
+
+def _stat_scalar(name: str, value: Any, exc: type[KvdError]) -> Any:
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return None if value is None else bool(value)
+    if is_int(value):
+        return _stat_int(name, value, exc)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, str):
+        return _stat_text(name, value, exc)
+    raise exc(f"{name} must be nil, a boolean, a number or a string, got {show(value)}")
+
+
+def _stat_array(name: str, value: Any, exc: type[KvdError], *, nested: bool) -> list[Any]:
+    return [_stat_array(f"{name}[{i}]", v, exc, nested=False) if nested and isinstance(v, (list, tuple))
+            else _stat_scalar(f"{name}[{i}]", v, exc) for i, v in enumerate(value)]
+
+
+def check_info(name: str, value: Any, exc: type[KvdError]) -> dict[str, Any]:
+    """An open map (stats, explain details): each value a scalar, a map of scalars, or an array of scalars and
+    arrays of scalars. At most 2 levels of containers under the map, so decoding work stays flat."""
+    if not isinstance(value, Mapping):
+        raise exc(f"{name} must be a map, got {show(value)}")
+    if len(value) > MAX_STATS_KEYS:
+        raise InvalidArgument(f"{name} has {len(value)} keys, more than {MAX_STATS_KEYS}")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        check_short_text(f"{name} key", key, exc)
+        where = f"{name}[{key[:80]!r}]"
+        if isinstance(item, Mapping):
+            out[key] = {check_short_text(f"{where} key", k, exc): _stat_scalar(f"{where}[{k[:80]!r}]", v, exc)
+                        for k, v in item.items()}
+        elif isinstance(item, (list, tuple)):
+            out[key] = _stat_array(where, item, exc, nested=True)
+        else:
+            out[key] = _stat_scalar(where, item, exc)
+    return out
+
+
+def check_opt_info(name: str, value: Any, exc: type[KvdError]) -> dict[str, Any]:
+    return {} if value is None else check_info(name, value, exc)
+
+
+# ---- tensors and frames --------------------------------------------------------------------------------------
+
+
+def as_array(obj: Any, name: str = "array") -> np.ndarray:
+    """A numpy view of ``obj`` (ndarray, DLPack tensor such as a CPU torch tensor, or buffer-protocol object).
+
+    No copy is made; raises :class:`InvalidArgument` for anything else (a list would need a copy and a dtype).
+    """
+    if isinstance(obj, np.ndarray):
+        return obj
+    if hasattr(obj, "__dlpack__"):
+        try:
+            return np.from_dlpack(obj)
+        except (TypeError, BufferError, RuntimeError, ValueError) as exc:
+            raise InvalidArgument(f"{name}: cannot view {type(obj).__name__} through DLPack ({exc}); pass a "
+                                  "bfloat16 tensor as its int16/uint16 bits with dtype='bfloat16'") from None
+    try:
+        return np.asarray(memoryview(obj))
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{name} must be a numpy array or expose the buffer protocol or DLPack, "
+                              f"got {type(obj).__name__}") from None
+
+
+def wire_dtype_name(arr: np.ndarray, name: str, declared: str | None) -> str:
+    dt = arr.dtype
+    if declared is not None:
+        if declared not in DTYPES:
+            raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {declared!r}")
+        bits_ok = dt.kind in "ui" and dt.itemsize == DTYPES[declared].itemsize  # raw bit patterns
+        if not bits_ok and wire_dtype_name(arr, name, None) != declared:
+            raise InvalidArgument(f"{name} has dtype {dt}, which cannot be sent as {declared}")
+        return declared
+    if dt.kind == "f" and dt.itemsize in (2, 4):
+        return "float16" if dt.itemsize == 2 else "float32"
+    if dt.name == "bfloat16":
+        return "bfloat16"
+    raise InvalidArgument(f"{name} dtype must be one of {', '.join(DTYPES)}, got {dt}")
+
+
+def wire_array(arr: np.ndarray) -> np.ndarray:
+    """C-contiguous and little-endian: the caller's array itself when it already is (the usual case)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(arr)
+
+
+def tensor_frame(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def byte_view(frame: Any, what: str) -> memoryview:
+    try:
+        view = memoryview(frame)
+    except TypeError:
+        raise ProtocolError(f"{what} is not a bytes-like object: {type(frame).__name__}") from None
+    if view.ndim != 1 or view.itemsize != 1:
+        try:
+            view = view.cast("B")
+        except TypeError:
+            raise ProtocolError(f"{what} is not a contiguous buffer") from None
+    return view
+
+
+def check_shape(name: str, value: Any, exc: type[KvdError], *, min_dims: tuple[int, ...]) -> tuple[int, ...]:
+    if type(value) in (list, tuple) and len(value) == len(min_dims):  # the common case: plain ints in range
+        for v, low in zip(value, min_dims, strict=True):
+            if type(v) is not int or not low <= v <= MAX_INDEX:
+                break
+        else:
+            return tuple(value)
+    items = check_array(name, value, exc)
+    if len(items) != len(min_dims):
+        raise exc(f"{name} must have {len(min_dims)} dimensions, got {len(items)}: {show(value)}")
+    pairs = enumerate(zip(items, min_dims, strict=True))
+    return tuple((check_dim if low else check_size)(f"{name}[{i}]", v, exc) for i, (v, low) in pairs)
+
+
+def frame_tensor(view: Frame, what: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    # Python integers do not overflow; implementations in other languages must check (docs/protocol.md).
+    need = math.prod(shape) * DTYPES[dtype].itemsize
+    if len(view) != need:
+        raise ProtocolError(f"{what} frame has {len(view)} bytes but shape {list(shape)} of {dtype} "
+                            f"needs {need}")
+    return np.ndarray(shape, DTYPES[dtype], view)
+
+
+MAX_SHARDS = 4096  # shards in one topology reply
+SERVER_ROLES = ("shard", "coordinator")
+
+
+def check_role(name: str, value: Any, exc: type[KvdError]) -> str:
+    if not isinstance(value, str):
+        raise exc(f"{name} must be a string, got {show(value)}")
+    if value not in SERVER_ROLES:
+        raise InvalidArgument(f"{name} must be one of {', '.join(SERVER_ROLES)}, got {value[:80]!r}")
+    return value
+
+
+def check_shards(name: str, value: Any, exc: type[KvdError]) -> tuple[dict[str, str], ...]:
+    """A topology's shard list: maps with exactly the keys ``id`` and ``endpoint`` (text), ids distinct."""
+    items = check_array(name, value, exc)
+    if len(items) > MAX_SHARDS:
+        raise InvalidArgument(f"{name} lists {len(items)} shards, more than {MAX_SHARDS}")
+    out: list[dict[str, str]] = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise exc(f"{name}[{i}] must be a map with the keys id and endpoint, got {show(item)}")
+        if len(item) != 2 or "id" not in item or "endpoint" not in item:
+            keys = [str(k)[:40] for k in item][:8]
+            raise exc(f"{name}[{i}] must have exactly the keys id and endpoint, got {keys}")
+        sid = check_short_text(f"{name}[{i}].id", item["id"], exc)
+        if sid in seen:
+            raise InvalidArgument(f"{name} lists the shard id {sid[:80]!r} twice")
+        seen.add(sid)
+        out.append({"id": sid, "endpoint": check_short_text(f"{name}[{i}].endpoint", item["endpoint"], exc)})
+    return tuple(out)
+
+
+# ---- frames and msgpack: the checks before any field is looked at ---------------------------------------------
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed in a header")
+
+
+def _pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("header has a map with a duplicate key")
+    return out
+
+
+def _declared_map_len(head: memoryview) -> int:
+    """The entry count msgpack declares for a header that starts with a map (-1 if it does not)."""
+    first = head[0] if len(head) else 0
+    if 0x80 <= first <= 0x8F:
+        return first & 0x0F
+    if first == 0xDE and len(head) >= 3:
+        return int.from_bytes(head[1:3], "big")
+    if first == 0xDF and len(head) >= 5:
+        return int.from_bytes(head[1:5], "big")
+    return -1
+
+
+def _has_nested_map(header: dict[Any, Any]) -> bool:
+    for v in header.values():
+        if type(v) is dict:
+            return True
+        if type(v) is list:
+            for item in v:
+                if type(item) is dict:
+                    return True
+    return False
+
+
+@functools.lru_cache(maxsize=16)
+def _unpack_options(max_bytes: int, max_array_len: int) -> dict[str, Any]:
+    return dict(raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext, max_str_len=max_bytes,
+                max_bin_len=max_bytes, max_ext_len=0, max_array_len=max_array_len, max_map_len=MAX_STATS_KEYS)
+
+
+def unpack_header(head: memoryview, *, max_bytes: int, max_array_len: int) -> Any:
+    """The msgpack object in ``head`` with every container limit, no extension types and no duplicate map key.
+
+    Raises :class:`ProtocolError` naming what msgpack refused (never anything else).
+    """
+    options = _unpack_options(max_bytes, max_array_len)
+    try:
+        header = msgpack.unpackb(head, **options)
+        # duplicate keys: the top-level map is checked by its declared size; a header with nested maps (info
+        # maps, topology shards: replies only) is decoded again with a hook that checks every map
+        if type(header) is dict and (len(header) != _declared_map_len(head) or _has_nested_map(header)):
+            header = msgpack.unpackb(head, object_pairs_hook=_pairs, **options)
+    except KvdError:
+        raise
+    except Exception as exc:  # msgpack raises ValueError, TypeError, UnicodeDecodeError, StackError, ...
+        why = str(exc)[:200] or ("nested too deeply" if isinstance(exc, StackError) else "")
+        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {why}") from None
+    return header
+
+
+# ---- messages' tensors and pages -----------------------------------------------------------------------------
+
+
+def check_tensors(msg: Any, *, min_dims: tuple[int, ...], declared: str | None) -> None:
+    keys = wire_array(as_array(msg.keys, "keys"))
+    values = wire_array(as_array(msg.values, "values"))
+    dtype = wire_dtype_name(keys, "keys", declared)
+    if wire_dtype_name(values, "values", declared) != dtype or keys.dtype != values.dtype:
+        raise InvalidArgument(f"keys and values must have the same dtype, got {keys.dtype} and {values.dtype}")
+    if keys.shape != values.shape:
+        raise InvalidArgument(f"keys and values must have the same shape, got {keys.shape} and {values.shape}")
+    check_shape("shape", list(keys.shape), InvalidArgument, min_dims=min_dims)
+    object.__setattr__(msg, "keys", keys)
+    object.__setattr__(msg, "values", values)
+    object.__setattr__(msg, "dtype", dtype)
+
+
+def tensors_from_wire(header: Mapping[str, Any], frames: list[Frame], *, min_dims: tuple[int, ...],
+                       dtypes: Sequence[str]) -> dict[str, Any]:
+    dtype = header.get("dtype")
+    if not isinstance(dtype, str):
+        raise ProtocolError(f"dtype must be a string, got {show(dtype)}")
+    if dtype not in dtypes:
+        raise ProtocolError(f"dtype must be one of {', '.join(dtypes)}, got {dtype[:80]!r}")
+    shape = check_shape("shape", header.get("shape"), ProtocolError, min_dims=min_dims)
+    keys = frame_tensor(frames[0], "keys", dtype, shape)
+    return {"keys": keys, "values": frame_tensor(frames[1], "values", dtype, shape), "dtype": dtype}
+
+
+def check_page_entry(i: int, entry: Any) -> PageEntry:
+    if type(entry) is tuple and len(entry) == 4 and plain_int(entry[0], MAX_INDEX) \
+            and plain_int(entry[1], MAX_POSITION) and type(entry[2]) is bytes and type(entry[3]) is bytes:
+        return entry  # the store's usual entry: bytes pages, sent as they are
+    if not isinstance(entry, (list, tuple)) or len(entry) != 4:
+        raise InvalidArgument(f"entries[{i}] must be (layer, token0, key_page, value_page), got {show(entry)}")
+    return (check_index(f"entries[{i}].layer", entry[0], InvalidArgument),
+            check_position(f"entries[{i}].token0", entry[1], InvalidArgument),
+            byte_view(entry[2], f"entries[{i}] key page"), byte_view(entry[3], f"entries[{i}] value page"))
+
+
+# ---- opening a message -------------------------------------------------------------------------------------
+
+
+def check_limits(sizes: Sequence[int], limits: Any) -> None:
+    """Frame count and sizes (``sizes[0]`` is the header) against a :class:`kvd.protocol.Limits`:
+    :class:`MessageTooLarge` naming the limit."""
+    if len(sizes) > limits.max_frames:
+        raise MessageTooLarge(f"message has {len(sizes)} frames, more than max_frames {limits.max_frames}")
+    if sizes[0] > limits.max_header_bytes:
+        raise MessageTooLarge(f"header is {sizes[0]} bytes, more than max_header_bytes {limits.max_header_bytes}")
+    total = sizes[0]
+    max_frame = limits.max_frame_bytes
+    for i in range(1, len(sizes)):
+        size = sizes[i]
+        total += size
+        if size > max_frame:
+            raise MessageTooLarge(f"frame {i} is {size} bytes, more than max_frame_bytes {max_frame}")
+    if total > limits.max_message_bytes:
+        raise MessageTooLarge(f"message is {total} bytes, more than max_message_bytes {limits.max_message_bytes}")
+
+
+class DecodeContext:
+    """What a failed decode could still read: the request id, for the error reply."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self) -> None:
+        self.request_id: int | None = None
+
+
+def open_message(frames: Any, limits: Any, ctx: DecodeContext) -> tuple[dict[Any, Any], list[Frame]]:
+    """Frame count and sizes, then msgpack: the checks shared by requests and replies."""
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ProtocolError("a message is a non-empty list of frames (the header first)")
+    head = byte_view(frames[0], "header frame")
+    if head.nbytes > limits.max_header_bytes:
+        raise MessageTooLarge(f"header is {head.nbytes} bytes, more than max_header_bytes "
+                              f"{limits.max_header_bytes}")
+    header = unpack_header(head, max_bytes=limits.max_header_bytes,
+                           max_array_len=max(limits.max_pages, _MIN_ARRAY_LEN))
+    if type(header) is not dict:
+        raise ProtocolError(f"header must be a msgpack map, got {show(header)}")
+    rid = header.get("id")
+    if type(rid) is int and 0 <= rid <= MAX_REQUEST_ID:
+        ctx.request_id = rid  # from here on an error reply can name the request
+    for key in header:
+        if type(key) is not str:
+            raise ProtocolError(f"header keys must be strings, got {show(key)}")
+    if len(frames) > limits.max_frames:
+        raise MessageTooLarge(f"message has {len(frames)} frames, more than max_frames {limits.max_frames}")
+    views: list[Frame] = []
+    sizes = [head.nbytes]
+    for i in range(1, len(frames)):  # a pages reply has thousands: keep this loop lean
+        frame = frames[i]
+        # bytes are immutable and already ours, a 1-D byte memoryview is already a view: kept as they are
+        if type(frame) is not bytes and not (type(frame) is memoryview and frame.format == "B"
+                                             and frame.ndim == 1):
+            frame = byte_view(frame, f"frame {i}")
+        views.append(frame)
+        sizes.append(len(frame))
+    check_limits(sizes, limits)
+    if type(header.get("v")) is not int and not is_int(header.get("v")):
+        raise ProtocolError(f"header field v (protocol version) must be an integer, got {show(header.get('v'))}")
+    return header, views

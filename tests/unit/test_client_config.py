@@ -1,0 +1,86 @@
+"""Client-side pieces that need no network: CURVE key files, the topology a client routes over, how appends are
+split to fit the limits, and cluster stats."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvd import protocol as p
+from kvd.client import _append_chunks, aggregate_stats
+from kvd.errors import ConfigError, InvalidArgument, ShardUnavailable
+from kvd.routing import Topology, owner
+from kvd.server import CurveConfig, keygen
+
+
+def test_keygen_writes_a_private_secret_and_configs_load_it(tmp_path: Path) -> None:
+    public, secret = keygen(tmp_path / "keys", "server")
+    assert Path(public).name == "server.key" and Path(secret).name == "server.key_secret"
+    assert (os.stat(secret).st_mode & 0o777) == 0o600
+    assert (os.stat(tmp_path / "keys").st_mode & 0o777) == 0o700
+    c_public, c_secret = keygen(tmp_path / "keys", "client")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "client.key").write_bytes(Path(c_public).read_bytes())
+    server = CurveConfig.for_server(secret_key_file=secret, authorized_keys_dir=allowed)
+    client = CurveConfig.for_client(server_public_key_file=public, secret_key_file=c_secret)
+    assert client.server_public_key == server.public_key
+    assert server.authorized_keys == frozenset({client.public_key})
+    assert server.secret_key.decode() not in repr(server) and client.secret_key.decode() not in repr(client)
+    ephemeral = CurveConfig.for_client(server_public_key_file=public)  # a fresh pair: for allow-any servers
+    assert ephemeral.public_key != client.public_key and len(ephemeral.secret_key) == 40
+    anyone = CurveConfig.for_server(secret_key_file=secret)
+    assert anyone.authorized_keys is None
+
+
+def test_curve_config_refuses_what_cannot_work(tmp_path: Path) -> None:
+    public, secret = keygen(tmp_path, "server")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no client could connect"):
+        CurveConfig.for_server(secret_key_file=secret, authorized_keys_dir=empty)
+    with pytest.raises(ConfigError, match="holds no secret key"):
+        CurveConfig.for_server(secret_key_file=public)
+    with pytest.raises(ConfigError, match="cannot read the CURVE key file"):
+        CurveConfig.for_client(server_public_key_file=tmp_path / "missing.key")
+    with pytest.raises(ConfigError, match="not a directory"):
+        CurveConfig.for_server(secret_key_file=secret, authorized_keys_dir=tmp_path / "nope")
+    with pytest.raises(ConfigError, match="40-character Z85"):
+        CurveConfig(public_key=b"short", secret_key=b"x" * 40)
+    with pytest.raises(ConfigError, match="plain file name"):
+        keygen(tmp_path, "../evil")
+
+
+def test_topology_routes_by_id_and_caches_per_topology() -> None:
+    shards = [{"id": f"shard-{i}", "endpoint": f"tcp://h{i}:1"} for i in range(4)]
+    topo = Topology(epoch=5, shards=shards, level="q8", level_epoch=2)
+    ids = [s["id"] for s in shards]
+    seqs: list[str | int] = ["a", "b", 1, 2, "1"]
+    for seq in seqs:
+        assert topo.owner("ns", seq) == shards[owner(ids, "ns", seq)]
+    assert topo.owner("ns", 1) is topo.owner("ns", 1)
+    assert topo.as_dict() == {"epoch": 5, "shards": shards, "level": "q8", "level_epoch": 2}
+    with pytest.raises(ShardUnavailable, match="no shards"):
+        Topology(epoch=1, shards=[]).owner("ns", 1)
+    with pytest.raises(InvalidArgument, match="twice"):
+        Topology(epoch=1, shards=[shards[0], {**shards[1], "id": "shard-0"}])
+    with pytest.raises(InvalidArgument):
+        topo.owner("", 1)
+
+
+def test_appends_over_the_frame_limit_are_split_along_tokens() -> None:
+    keys = np.zeros((2, 100, 2, 16), np.float16)  # 128 bytes per token per tensor
+    values = np.ones_like(keys)
+    limits = p.Limits(max_frame_bytes=1000, max_header_bytes=4096, max_message_bytes=4096 + 2000)
+    chunks = _append_chunks(keys, values, limits)
+    assert [c[0].shape[1] for c in chunks] == [7] * 14 + [2]  # 7 tokens = 896 bytes <= 1000
+    assert np.array_equal(np.concatenate([c[1] for c in chunks], axis=1), values)
+    assert all(np.shares_memory(c[0], keys) for c in chunks)  # views, not copies
+    assert _append_chunks(keys, values, p.Limits())[0][0] is keys
+
+
+def test_aggregate_stats_of_no_shards() -> None:
+    assert aggregate_stats([]) == {"shards": 0, "errors": 0}
