@@ -1,0 +1,720 @@
+"""ZeroMQ servers: :class:`ShardServer` (the data path around one Store) and :class:`TopologyServer` (the
+coordinator's topology endpoint). Wire format: docs/protocol.md; codec: :mod:`kvd.protocol`.
+
+Theory of operation
+-------------------
+*One thread per server* owns its ROUTER socket and, for a shard, every data operation on the store: it
+receives, admits, executes and replies. A hand-off between a receiving thread and a store thread costs about
+as much as a whole loopback round trip (two GIL hand-overs, ~40 us measured), so the request that arrives at
+an idle server runs at once on the thread that received it. The store's kernels release the GIL, so other
+threads of the process (the Ray actor, metrics readers) run while a page is encoded.
+
+*Admission (the busy policy).* Each turn of the loop first drains every message ZeroMQ has ready into a bounded
+FIFO (``max_queued_requests`` requests, ``max_queued_bytes`` bytes; one request is always admitted into an empty
+queue whatever its size). A message that does not fit is answered ``Busy`` (code 13) at once: only its
+request id is read, it is not executed, and its buffers are freed. Then the oldest queued request runs and is
+answered, and the loop drains again. So under overload a request gets ``Busy`` within the time of the
+operation in progress, never silence; requests of one connection start in the order received; and the
+memory held by received requests is bounded by ``max_queued_bytes`` plus what ZeroMQ buffers per peer
+(``RCVHWM`` messages, each at most ``MAXMSGSIZE`` per frame).
+
+*Replies* are sent without blocking. ``ROUTER_MANDATORY`` turns a reply to a vanished peer (EHOSTUNREACH) or to
+a peer whose pipe is full (a slow reader at ``SNDHWM`` replies: EAGAIN) into an error instead of a silent drop:
+the reply is discarded and counted (``replies_dropped``), and the loop goes on serving everyone else. A slow
+reader therefore pins at most ``SNDHWM`` replies of server memory. Heartbeats (``ZMQ_HEARTBEAT_*``) close
+connections to dead peers, which frees their pipes.
+
+*Bad input* never reaches the store: :func:`kvd.protocol.parse_request` checks every field and frame first and
+the error reply names the problem. A frame over ``MAXMSGSIZE`` (the protocol's ``max_frame_bytes``) makes
+ZeroMQ cut that peer; everyone else is unaffected.
+
+*Compaction* (:meth:`Store.compact`) runs between requests: when idle (no message for ``IDLE_TICK_S``, or at
+once while a backlog remains) and after every ``compact_every`` requests, with ``compact_budget_bytes`` per call.
+
+*Memory.* Requests and replies of MiBs allocate buffers of that size on every call; :meth:`ShardServer.start`
+makes glibc recycle them (:func:`tune_malloc`) instead of paying a page fault per 4 KiB of fresh memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+import zmq.auth
+import zmq.backend
+from zmq.auth.thread import ThreadAuthenticator
+
+from kvd import __version__, pages
+from kvd import protocol as p
+from kvd.errors import Busy, ConfigError, Conflict, KvdError, MessageTooLarge, ProtocolError, UnknownSequence
+from kvd.store import Store
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CurveConfig", "ShardServer", "TopologyServer", "keygen", "tune_malloc"]
+
+COPY_THRESHOLD_BYTES = 64 * 1024  # frames at least this big are sent zero-copy (pyzmq's own threshold)
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_MAX_QUEUED_BYTES = 256 * 1024 * 1024
+DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader beyond it are dropped
+DEFAULT_HEARTBEAT_IVL_S = 2.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
+IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
+DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
+RATE_WINDOW_S = 10
+# Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
+# microseconds per call, a measurable share of a small request.
+_SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
+_EVENTS, _RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
+_SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
+_get = zmq.backend.Socket.get
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+
+
+def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
+    """One multipart message as zero-copy frames (``frame.buffer`` is a view of the received bytes)."""
+    parts = [_recv(sock, flags, False, False)]
+    while _get(sock, _RCVMORE):
+        parts.append(_recv(sock, 0, False, False))
+    return parts
+
+
+def send_frames(sock: zmq.Socket[Any], frames: list[Any], first_flags: int = 0) -> int:
+    """Send ``frames`` as one multipart message: frames of ``COPY_THRESHOLD_BYTES`` and more without copying
+    them. ``first_flags`` apply to the first part only (NOBLOCK: raises zmq.Again before anything is sent).
+    Returns the bytes sent."""
+    last = len(frames) - 1
+    size = 0
+    for i, f in enumerate(frames):
+        n = len(f)
+        size += n
+        flags = (first_flags if i == 0 else 0) | (0 if i == last else _SNDMORE)
+        _send(sock, f, flags, n < COPY_THRESHOLD_BYTES, False)
+    return size
+_Z85_KEY_CHARS = 40
+_ZAP_DOMAIN = "kvd"  # the ZAP domain of kvd's sockets: the authenticator's allow-list applies to it
+
+
+# ------------------------------------------------------------------------------------------------ CURVE
+
+
+def _key(value: Any, what: str) -> bytes:
+    raw = value.encode("ascii") if isinstance(value, str) else value
+    if not isinstance(raw, bytes) or len(raw) != _Z85_KEY_CHARS:
+        raise ConfigError(f"{what} must be a {_Z85_KEY_CHARS}-character Z85 CURVE key, got {type(value).__name__}")
+    return raw
+
+
+def _load(path: str | os.PathLike[str], *, need_secret: bool) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret = zmq.auth.load_certificate(os.fspath(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the CURVE key file {os.fspath(path)!r}: {exc}") from None
+    if need_secret and secret is None:
+        raise ConfigError(f"{os.fspath(path)!r} holds no secret key (use the *.key_secret file)")
+    return public, secret
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CurveConfig:
+    """CURVE keys of one side (Z85 bytes, as ``zmq.auth.create_certificates`` writes them; see :func:`keygen`).
+
+    A server sets ``public_key``/``secret_key`` and optionally ``authorized_keys`` (client public keys allowed to
+    connect; None = any client that knows the server's public key). A client sets its own pair and
+    ``server_public_key``. Build one with :meth:`for_server` / :meth:`for_client`. Raises :class:`ConfigError`.
+    """
+
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+    server_public_key: bytes | None = None
+    authorized_keys: frozenset[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "public_key", _key(self.public_key, "public_key"))
+        object.__setattr__(self, "secret_key", _key(self.secret_key, "secret_key"))
+        if self.server_public_key is not None:
+            object.__setattr__(self, "server_public_key", _key(self.server_public_key, "server_public_key"))
+        if self.authorized_keys is not None:
+            keys = frozenset(_key(k, "authorized key") for k in self.authorized_keys)
+            object.__setattr__(self, "authorized_keys", keys)
+
+    @classmethod
+    def for_server(cls, *, secret_key_file: str | os.PathLike[str],
+                   authorized_keys_dir: str | os.PathLike[str] | None = None) -> CurveConfig:
+        """The server's key pair from ``secret_key_file`` (``NAME.key_secret``); allowed clients are the public
+        keys (``*.key``) in ``authorized_keys_dir`` (None: any client with the server's public key)."""
+        public, secret = _load(secret_key_file, need_secret=True)
+        allowed = None
+        if authorized_keys_dir is not None:
+            if not os.path.isdir(authorized_keys_dir):
+                raise ConfigError(f"authorized_keys {os.fspath(authorized_keys_dir)!r} is not a directory")
+            allowed = frozenset(zmq.auth.load_certificates(os.fspath(authorized_keys_dir)))
+            if not allowed:
+                raise ConfigError(f"authorized_keys {os.fspath(authorized_keys_dir)!r} holds no *.key file: "
+                                  "no client could connect")
+        assert secret is not None
+        return cls(public_key=public, secret_key=secret, authorized_keys=allowed)
+
+    @classmethod
+    def for_client(cls, *, server_public_key_file: str | os.PathLike[str],
+                   secret_key_file: str | os.PathLike[str] | None = None) -> CurveConfig:
+        """A client's config: the server's public key, and this client's pair from ``secret_key_file`` (None: a
+        fresh pair per process, accepted only by servers without an allow-list)."""
+        server_public, _ = _load(server_public_key_file, need_secret=False)
+        if secret_key_file is None:
+            public, secret = zmq.curve_keypair()
+        else:
+            public, maybe = _load(secret_key_file, need_secret=True)
+            assert maybe is not None
+            secret = maybe
+        return cls(public_key=public, secret_key=secret, server_public_key=server_public)
+
+    def apply_client(self, sock: zmq.Socket[Any]) -> None:
+        """Set this client's keys on ``sock`` (before connect)."""
+        if self.server_public_key is None:
+            raise ConfigError("a client CurveConfig needs server_public_key (CurveConfig.for_client)")
+        sock.curve_secretkey = self.secret_key
+        sock.curve_publickey = self.public_key
+        sock.curve_serverkey = self.server_public_key
+
+
+def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
+    """Write a CURVE key pair ``NAME.key`` (public) and ``NAME.key_secret`` (mode 0600) into ``directory``
+    (created with mode 0700 if missing). Returns ``(public_file, secret_file)``."""
+    if not name or os.sep in name or name.startswith("."):
+        raise ConfigError(f"key name must be a plain file name, got {name!r}")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(os.fspath(directory), name)
+    os.chmod(secret, 0o600)
+    return str(public), str(secret)
+
+
+class _AllowList:
+    """ZAP credentials provider for ThreadAuthenticator: a fixed set of Z85 client public keys."""
+
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self._keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        allowed = key in self._keys
+        if not allowed:
+            log.warning("CURVE: refused a client key that is not on the allow-list: %s", key.decode("ascii"))
+        return allowed
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: every buffer of a legal message but the biggest
+MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
+
+
+def tune_malloc(*, mmap_threshold_bytes: int = MALLOC_MMAP_THRESHOLD_BYTES,
+                trim_threshold_bytes: int = MALLOC_TRIM_THRESHOLD_BYTES) -> bool:
+    """Make glibc's malloc recycle large buffers in this process instead of returning them to the OS.
+
+    Every request and reply of MiBs allocates buffers of that size (ZeroMQ's receive buffers, the store's
+    results). By default glibc maps such buffers fresh and unmaps them when freed, so each one costs a page fault
+    per 4 KiB on first touch: measured here (bench/wire.py) that doubles the time of an 8 MiB request with 8 in
+    flight. With buffers up to ``mmap_threshold_bytes`` taken from the heap, and up to ``trim_threshold_bytes``
+    of free heap kept, they are reused warm. Process-wide; the cost is that up to ``trim_threshold_bytes`` of
+    freed memory stays mapped. Returns False (and changes nothing) where malloc is not glibc's.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    # one arena: a thread's own arena unmaps a heap as soon as it is all free, whatever the trim threshold, so
+    # the serving thread's buffers would be fresh pages again on every request
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)) == 1
+                and mallopt(_M_TRIM_THRESHOLD, int(trim_threshold_bytes)) == 1
+                and mallopt(_M_ARENA_MAX, 1) == 1)
+
+
+# ------------------------------------------------------------------------------------------------ the loop
+
+
+class _Metrics:
+    """Counters written by the server thread only; :meth:`snapshot` may run on any thread (ints are read
+    atomically; the rate is approximate by design)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.requests = self.errors = self.busy = self.bytes_in = self.bytes_out = 0
+        self.replies_dropped = self.queue_peak = self.compactions = self.compacted_bytes = 0
+        self._stamp = [0] * RATE_WINDOW_S
+        self._count = [0] * RATE_WINDOW_S
+
+    def tick(self, now: float) -> None:
+        sec = int(now)
+        i = sec % RATE_WINDOW_S
+        if self._stamp[i] != sec:
+            self._stamp[i], self._count[i] = sec, 0
+        self._count[i] += 1
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        sec = int(now)
+        total = sum(c for s, c in zip(self._stamp, self._count, strict=True) if sec - RATE_WINDOW_S < s <= sec)
+        span = min(float(RATE_WINDOW_S), max(now - self.started, 1e-3))
+        return total / span
+
+    def snapshot(self, queue_depth: int, queued_bytes: int) -> dict[str, Any]:
+        return {"requests": self.requests, "errors": self.errors, "busy": self.busy,
+                "requests_per_s": round(self.rate(), 3), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "replies_dropped": self.replies_dropped, "queue_depth": queue_depth, "queued_bytes": queued_bytes,
+                "queue_peak": self.queue_peak, "compactions": self.compactions,
+                "compacted_bytes": self.compacted_bytes, "uptime_s": round(time.monotonic() - self.started, 3)}
+
+
+class _RouterServer:
+    """The ROUTER loop shared by both servers: binding, socket options, CURVE, admission, replies, metrics.
+    Subclasses implement :meth:`_execute` (a request -> a reply message) and may override :meth:`_idle`."""
+
+    _NAME = "server"
+
+    def __init__(self, *, host: str, port: int, limits: p.Limits | None, curve: CurveConfig | None,
+                 max_queued_requests: int, max_queued_bytes: int, hwm: int,
+                 heartbeat_ivl_s: float, heartbeat_timeout_s: float, linger_s: float) -> None:
+        if curve is not None and not isinstance(curve, CurveConfig):
+            raise ConfigError(f"curve must be a CurveConfig, got {type(curve).__name__}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(f"port must be an integer in [0, 65535], got {port!r}")
+        for name, value in (("max_queued_requests", max_queued_requests), ("max_queued_bytes", max_queued_bytes),
+                            ("hwm", hwm)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        self._host, self._port = host, port
+        self._limits = limits or p.DEFAULT_LIMITS
+        self._curve = curve
+        self._max_queued, self._max_queued_bytes, self._hwm = max_queued_requests, max_queued_bytes, hwm
+        self._heartbeat = (heartbeat_ivl_s, heartbeat_timeout_s)
+        self._linger_ms = int(linger_s * 1000)
+        self._metrics = _Metrics()
+        self._queue: collections.deque[tuple[bytes, list[Any], int]] = collections.deque()
+        self._queued_bytes = 0
+        self._endpoint: str | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._compact_every = 0  # requests between idle-work calls under load (0: only when idle)
+        self._since_idle = 0
+
+    # -------------------------------------------------------------------------------------------- lifecycle
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        """Bind, start the serving thread and return once it serves: ``"tcp://host:port"``. Raises the bind
+        error (e.g. the port is taken) or :class:`ConfigError`."""
+        if self._thread is not None:
+            raise ConfigError(f"{self._NAME} already started")
+        self._thread = threading.Thread(target=self._main, name=f"kvd-{self._NAME}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            self._stopping.set()
+            raise ConfigError(f"{self._NAME} did not start within {timeout_s} s")
+        if self._start_error is not None:
+            self._thread.join(timeout_s)
+            raise self._start_error
+        assert self._endpoint is not None
+        return self._endpoint
+
+    @property
+    def endpoint(self) -> str:
+        """``"tcp://host:port"`` once started."""
+        if self._endpoint is None:
+            raise ConfigError(f"{self._NAME} is not started")
+        return self._endpoint
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving and close the socket (replies already queued get ``linger_s`` to leave). Idempotent."""
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("%s at %s did not stop within %s s", self._NAME, self._endpoint, timeout_s)
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters: requests (messages received), errors (error replies, Busy excluded), busy,
+        requests_per_s (over the last 10 s), bytes_in / bytes_out (frames after the identity),
+        replies_dropped (peer gone or not reading), queue_depth, queued_bytes, queue_peak, compactions,
+        compacted_bytes, uptime_s."""
+        return self._metrics.snapshot(len(self._queue), self._queued_bytes)
+
+    def __enter__(self) -> _RouterServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -------------------------------------------------------------------------------------------- socket
+
+    def _open(self, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable / full -> error, never a silent drop
+        # the transport cut for one frame: a peer cannot make us buffer more than the largest legal frame
+        sock.setsockopt(zmq.MAXMSGSIZE, max(self._limits.max_frame_bytes, self._limits.max_header_bytes))
+        sock.setsockopt(zmq.SNDHWM, self._hwm)
+        sock.setsockopt(zmq.RCVHWM, self._hwm)
+        sock.setsockopt(zmq.LINGER, self._linger_ms)
+        ivl, timeout = self._heartbeat
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(ivl * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout * 1000))  # peers drop us when we stop heartbeating
+        sock.setsockopt(zmq.RCVTIMEO, int(IDLE_TICK_S * 1000))
+        if self._curve is not None:
+            sock.curve_secretkey = self._curve.secret_key
+            sock.curve_publickey = self._curve.public_key
+            sock.curve_server = True
+            sock.zap_domain = _ZAP_DOMAIN.encode()
+        host = self._host
+        if ":" in host:
+            sock.setsockopt(zmq.IPV6, 1)
+            host = f"[{host}]"
+        sock.bind(f"tcp://{host}:{self._port if self._port else '*'}")
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        self._endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+        return sock
+
+    def _main(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context(io_threads=1)
+        auth: ThreadAuthenticator | None = None
+        sock = None
+        try:
+            if self._curve is not None:
+                auth = ThreadAuthenticator(ctx, log=log.getChild("auth"))
+                auth.start()  # before bind: without a ZAP handler CURVE would admit every key
+                if self._curve.authorized_keys is None:
+                    auth.configure_curve(domain=_ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
+                else:
+                    auth.configure_curve_callback(domain=_ZAP_DOMAIN,
+                                                  credentials_provider=_AllowList(self._curve.authorized_keys))
+            sock = self._open(ctx)
+        except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
+            self._start_error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
+            self._ready.set()
+            if sock is not None:
+                sock.close(0)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock)
+        except Exception:  # pragma: no cover - the loop catches everything per request; this is a last resort
+            log.exception("%s at %s crashed", self._NAME, self._endpoint)
+        finally:
+            sock.close(self._linger_ms)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+
+    # -------------------------------------------------------------------------------------------- serving
+
+    def _loop(self, sock: zmq.Socket[Any]) -> None:
+        stopping = self._stopping
+        idle_work = True
+        while not stopping.is_set():
+            try:
+                idle_work = self._turn(sock, idle_work)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.ETERM or stopping.is_set():
+                    return
+                log.exception("%s at %s: socket error, serving on", self._NAME, self._endpoint)
+            except Exception:  # noqa: BLE001 - one bad turn must not stop the server
+                log.exception("%s at %s: unexpected error, serving on", self._NAME, self._endpoint)
+
+    def _turn(self, sock: zmq.Socket[Any], idle_work: bool) -> bool:
+        """One turn: receive (blocking only when idle), admit everything ready, run the oldest request.
+        Returns whether idle work (compaction) remains."""
+        queue = self._queue
+        if not queue:
+            if idle_work:  # a backlog remains: look for a message without blocking, else work on the backlog
+                if not sock.poll(0, zmq.POLLIN):
+                    return self._idle()
+                self._admit(sock, recv_frames(sock))
+            else:
+                try:
+                    self._admit(sock, recv_frames(sock))  # blocks up to IDLE_TICK_S (RCVTIMEO)
+                except zmq.Again:
+                    return self._idle()
+        n = 0
+        while n < DRAIN_BATCH and int(_get(sock, _EVENTS)) & _POLLIN:
+            self._admit(sock, recv_frames(sock))
+            n += 1
+        if not queue:
+            return idle_work
+        ident, frames, size = queue.popleft()
+        self._queued_bytes -= size
+        reply = self._run(frames)
+        del frames  # the request's buffers go before the reply is sent
+        self._send(sock, ident, reply)
+        self._since_idle += 1
+        if self._since_idle >= self._compact_every > 0:
+            return self._idle()
+        return idle_work
+
+    def _admit(self, sock: zmq.Socket[Any], msg: list[zmq.Frame]) -> None:
+        metrics = self._metrics
+        metrics.requests += 1
+        metrics.tick(time.monotonic())
+        ident = msg[0].bytes
+        frames = msg[1:]
+        size = 0
+        for f in frames:
+            size += len(f)
+        metrics.bytes_in += size
+        queue = self._queue
+        if queue and (len(queue) >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes):
+            metrics.busy += 1
+            rid = _peek_id(frames)
+            del msg, frames
+            self._send(sock, ident, p.encode_reply(p.ErrorReply(
+                request_id=rid, code=Busy.code, error="Busy",
+                message=f"server queue full ({len(queue)} requests, {self._queued_bytes} bytes queued); "
+                        "the request was not executed: retry after a short backoff")))
+            return
+        queue.append((ident, frames, size))
+        self._queued_bytes += size
+        if len(queue) > metrics.queue_peak:
+            metrics.queue_peak = len(queue)
+
+    def _run(self, frames: list[zmq.Frame]) -> list[p.Frame]:
+        """Parse, execute and encode: the reply frames. Never raises."""
+        views = [f.buffer for f in frames]
+        req = p.parse_request(views, self._limits)
+        if isinstance(req, p.ErrorReply):
+            self._metrics.errors += 1
+            return p.encode_reply(req)
+        try:
+            return p.encode_reply(self._execute(req), self._limits)
+        except KvdError as exc:
+            self._metrics.errors += 1
+            return p.encode_reply(p.error_reply(req.request_id, exc))
+        except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
+            log.exception("%s: internal error on %s", self._NAME, type(req).__name__)
+            self._metrics.errors += 1
+            return p.encode_reply(p.error_reply(req.request_id, exc))
+
+    def _send(self, sock: zmq.Socket[Any], ident: bytes, frames: list[p.Frame]) -> None:
+        try:
+            # only the identity part can fail (ROUTER checks the peer's pipe on the first part)
+            _send(sock, ident, _SNDMORE_NOBLOCK, True, False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: it is not reading (SNDHWM)
+            self._metrics.replies_dropped += 1
+            log.debug("%s: reply dropped (%s)", self._NAME, exc)
+            return
+        self._metrics.bytes_out += send_frames(sock, frames)
+
+    def _execute(self, req: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _idle(self) -> bool:
+        """Work to do between requests; returns True while more remains (the loop then does not block)."""
+        self._since_idle = 0
+        return False
+
+    def _hello(self, req: p.HelloRequest, *, role: str, name: str, page_tokens: int | None) -> p.HelloReply:
+        return p.HelloReply.for_limits(self._limits, request_id=req.request_id, kvd_version=__version__,
+                                       page_format_version=pages.FORMAT_VERSION, role=role, shard_id=name,
+                                       page_tokens=page_tokens)
+
+
+def _peek_id(frames: list[zmq.Frame]) -> int | None:
+    """The request id of a message to refuse, if its header has a readable one (a bounded, cheap decode)."""
+    try:
+        head = frames[0].buffer
+        if len(head) > p.DEFAULT_MAX_HEADER_BYTES:
+            return None
+        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=0,
+                                 max_array_len=p.DEFAULT_MAX_PAGES, max_map_len=p.MAX_STATS_KEYS)
+        rid = header.get("id") if isinstance(header, dict) else None
+    except Exception:  # noqa: BLE001 - anything unreadable has no id
+        return None
+    return rid if type(rid) is int and 0 <= rid <= p.MAX_REQUEST_ID else None
+
+
+# ------------------------------------------------------------------------------------------------ servers
+
+
+class ShardServer(_RouterServer):
+    """Serves one :class:`~kvd.store.Store` over ZeroMQ (docs/protocol.md) on ``tcp://host:port`` (port 0: any
+    free port; :meth:`start` returns the endpoint). The serving thread is the only caller of the store's data
+    operations; ``set_level``/``stats`` may be called on the store from other threads (it has a lock).
+
+    Options (keyword-only): ``limits`` (the protocol limits enforced and announced), ``curve`` (a server
+    :class:`CurveConfig`: encryption and the client allow-list), ``compact_budget_bytes`` (per compaction step),
+    ``compact_every`` (requests between compaction steps under load), ``max_queued_requests`` /
+    ``max_queued_bytes`` (admission; beyond them requests get ``Busy``), ``hwm`` (ZeroMQ SNDHWM/RCVHWM per peer),
+    ``heartbeat_ivl_s`` / ``heartbeat_timeout_s``, ``linger_s``, ``recycle_memory`` (:meth:`start` calls
+    :func:`tune_malloc`, process-wide: meant for a process that hosts shards).
+    """
+
+    _NAME = "shard server"
+
+    def __init__(self, store: Store, *, shard_id: str, host: str = "127.0.0.1", port: int = 0,
+                 limits: p.Limits | None = None, curve: CurveConfig | None = None,
+                 compact_budget_bytes: int = 8 << 20, compact_every: int = 64,
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+                 max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES, hwm: int = DEFAULT_HWM,
+                 heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 linger_s: float = DEFAULT_LINGER_S, recycle_memory: bool = True) -> None:
+        super().__init__(host=host, port=port, limits=limits, curve=curve, max_queued_requests=max_queued_requests,
+                         max_queued_bytes=max_queued_bytes, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
+                         heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s)
+        self._store = store
+        self._shard_id = p.check_short_text("shard_id", shard_id, ConfigError)
+        if isinstance(compact_budget_bytes, bool) or not isinstance(compact_budget_bytes, int) \
+                or compact_budget_bytes < 0:
+            raise ConfigError(f"compact_budget_bytes must be a non-negative integer, got {compact_budget_bytes!r}")
+        self._compact_budget = compact_budget_bytes
+        self._compact_every = compact_every
+        self._recycle_memory = recycle_memory
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            p.HelloRequest: self._on_hello, p.PingRequest: lambda r: p.PingReply.trusted(request_id=r.request_id),
+            p.RegisterRequest: self._on_register, p.AppendRequest: self._on_append, p.GetRequest: self._on_get,
+            p.DropRequest: self._on_drop, p.LengthRequest: self._on_length, p.StatsRequest: self._on_stats,
+            p.ExplainRequest: self._on_explain}
+
+    @property
+    def shard_id(self) -> str:
+        return self._shard_id
+
+    def start(self, timeout_s: float = 10.0) -> str:
+        if self._recycle_memory:
+            tune_malloc()  # a shard's process serves large buffers all day: recycle them (see tune_malloc)
+        return super().start(timeout_s)
+
+    def _execute(self, req: Any) -> Any:
+        handler = self._handlers.get(type(req))
+        if handler is None:
+            raise ProtocolError(f"op {req.OP!r} is served by the coordinator, not by shard {self._shard_id!r}")
+        return handler(req)
+
+    def _idle(self) -> bool:
+        self._since_idle = 0
+        if not self._compact_budget:
+            return False
+        try:
+            freed = self._store.compact(self._compact_budget)
+        except Exception:  # noqa: BLE001 - compaction must not stop serving
+            log.exception("shard %s: compaction failed", self._shard_id)
+            return False
+        if freed:
+            self._metrics.compactions += 1
+            self._metrics.compacted_bytes += freed
+        return freed > 0
+
+    def _on_hello(self, req: p.HelloRequest) -> p.HelloReply:
+        return self._hello(req, role="shard", name=self._shard_id, page_tokens=self._store.page_tokens)
+
+    def _on_register(self, req: p.RegisterRequest) -> p.RegisterReply:
+        self._store.register(req.namespace, num_layers=req.num_layers, num_kv_heads=req.num_kv_heads,
+                             head_dim=req.head_dim)
+        return p.RegisterReply.trusted(request_id=req.request_id)
+
+    def _on_append(self, req: p.AppendRequest) -> p.AppendReply:
+        store = self._store
+        if req.offset is not None:
+            try:
+                current = store.length(req.namespace, req.seq_id)
+            except UnknownSequence:
+                current = 0
+            if current != req.offset:
+                raise Conflict(f"append offset {req.offset} does not match the length {current} of sequence "
+                               f"{req.seq_id!r} in namespace {req.namespace!r}; nothing was written")
+        keys, values = req.keys, req.values
+        if req.dtype == "bfloat16":  # the wire carries bit patterns; the store takes float16
+            keys = pages.bf16_bits_to_f16(keys.view(np.uint16), "keys")
+            values = pages.bf16_bits_to_f16(values.view(np.uint16), "values")
+        length = store.append(req.namespace, req.seq_id, keys, values)
+        # the server's own replies from the store's results are valid by construction: no second check
+        return p.AppendReply.trusted(request_id=req.request_id, length=int(length))
+
+    def _on_get(self, req: p.GetRequest) -> p.GetReply | p.GetPagesReply:
+        store = self._store
+        if req.format == "fp16":
+            keys, values = store.get(req.namespace, req.seq_id, req.start, req.end, req.layers)
+            keys, values = np.ascontiguousarray(keys, np.float16), np.ascontiguousarray(values, np.float16)
+            layers = req.layers if req.layers is not None else tuple(range(keys.shape[0]))
+            return p.GetReply.trusted(request_id=req.request_id, start=req.start, end=req.start + keys.shape[1],
+                                      layers=layers, keys=keys, values=values)
+        entries = store.get_pages(req.namespace, req.seq_id, req.start, req.end, req.layers)
+        if len(entries) > self._limits.max_pages:
+            raise MessageTooLarge(f"the range needs {len(entries)} pages, more than max_pages "
+                                    f"{self._limits.max_pages}: ask for fewer tokens or layers")
+        end = req.end if req.end is not None else store.length(req.namespace, req.seq_id)
+        layers = req.layers if req.layers is not None else tuple(dict.fromkeys(e[0] for e in entries))
+        return p.GetPagesReply.trusted(request_id=req.request_id, start=req.start, end=int(end), layers=layers,
+                                       entries=tuple(entries))
+
+    def _on_drop(self, req: p.DropRequest) -> p.DropReply:
+        dropped = bool(self._store.drop(req.namespace, req.seq_id))
+        return p.DropReply.trusted(request_id=req.request_id, dropped=dropped)
+
+    def _on_length(self, req: p.LengthRequest) -> p.LengthReply:
+        return p.LengthReply.trusted(request_id=req.request_id,
+                                     length=int(self._store.length(req.namespace, req.seq_id)))
+
+    def _on_stats(self, req: p.StatsRequest) -> p.StatsReply:
+        stats = dict(self._store.stats())
+        for key, value in self.metrics().items():
+            stats[f"server_{key}"] = value
+        stats["shard_id"] = self._shard_id
+        stats["endpoint"] = self._endpoint
+        return p.StatsReply(request_id=req.request_id, stats=stats)
+
+    def _on_explain(self, req: p.ExplainRequest) -> p.ExplainReply:
+        info = dict(self._store.explain(req.namespace, req.seq_id, req.layer, req.token))
+        level, reasons = info.pop("level"), info.pop("reasons")
+        return p.ExplainReply(request_id=req.request_id, level=level, reasons=tuple(reasons), details=info)
+
+
+class TopologyServer(_RouterServer):
+    """Serves ``hello`` / ``ping`` / ``topology`` for the coordinator. ``get_topology()`` is called on the
+    serving thread for each request and returns ``{"epoch": int, "shards": [{"id", "endpoint"}, ...],
+    "level": tag, "level_epoch": int}``. Data operations are refused with ProtocolError (they go to shards)."""
+
+    _NAME = "topology server"
+
+    def __init__(self, get_topology: Callable[[], dict[str, Any]], *, host: str = "127.0.0.1", port: int = 0,
+                 curve: CurveConfig | None = None, name: str = "coordinator", limits: p.Limits | None = None,
+                 hwm: int = DEFAULT_HWM, heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
+                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
+                 linger_s: float = DEFAULT_LINGER_S) -> None:
+        super().__init__(host=host, port=port, limits=limits, curve=curve, max_queued_requests=256,
+                         max_queued_bytes=16 << 20, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
+                         heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s)
+        if not callable(get_topology):
+            raise ConfigError(f"get_topology must be callable, got {type(get_topology).__name__}")
+        self._get_topology = get_topology
+        self._name = p.check_short_text("name", name, ConfigError)
+
+    def _execute(self, req: Any) -> Any:
+        if isinstance(req, p.HelloRequest):
+            return self._hello(req, role="coordinator", name=self._name, page_tokens=None)
+        if isinstance(req, p.PingRequest):
+            return p.PingReply(request_id=req.request_id)
+        if isinstance(req, p.TopologyRequest):
+            topo = self._get_topology()
+            return p.TopologyReply(request_id=req.request_id, epoch=topo["epoch"], shards=tuple(topo["shards"]),
+                                   level=topo["level"], level_epoch=topo["level_epoch"])
+        raise ProtocolError(f"op {req.OP!r} is served by the shards; this is the coordinator's topology endpoint "
+                            "(ops: hello, ping, topology)")

@@ -1,0 +1,563 @@
+"""The data path over real sockets (issue 4): a ShardServer in another process, the clients in this one.
+
+Servers run in ``spawn`` processes that report their endpoint through a pipe (port 0, no sleeps) and answer
+commands on it (metrics, stop); their RSS is read from /proc. Every test is bounded by a timeout. The hostile
+cases (fuzz, CURVE, slow readers, overload) are in test_wire_hostile.py, which imports the helpers below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from kvd import pages
+from kvd import protocol as p
+from kvd.client import AsyncClient, Client, aggregate_stats
+from kvd.errors import (
+    Conflict,
+    InvalidArgument,
+    LayoutMismatch,
+    NonFiniteError,
+    ShardUnavailable,
+    Timeout,
+    UnknownNamespace,
+    UnknownSequence,
+)
+from kvd.routing import owner
+from kvd.server import ShardServer, TopologyServer
+from kvd.store import Store
+
+pytestmark = pytest.mark.integration
+
+NS = "m"
+LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
+
+
+# ---- a shard server in another process ----------------------------------------------------------------------
+
+
+def _serve(conn: Any, shard_id: str, store_kwargs: dict[str, Any], server_kwargs: dict[str, Any],
+           level: str | None, curve_files: dict[str, str] | None) -> None:
+    from kvd.server import CurveConfig
+
+    store = Store(store_kwargs.pop("capacity_bytes", 256 << 20), **store_kwargs)
+    if level is not None:
+        store.set_level(level, 1)
+    if "limits" in server_kwargs:
+        server_kwargs["limits"] = p.Limits(**server_kwargs["limits"])
+    curve = CurveConfig.for_server(**curve_files) if curve_files else None
+    server = ShardServer(store, shard_id=shard_id, curve=curve, **server_kwargs)
+    conn.send(server.start())
+    while True:
+        cmd = conn.recv()
+        if cmd == "metrics":
+            conn.send(server.metrics())
+        elif isinstance(cmd, tuple) and cmd[0] == "level":  # what the coordinator's broadcast does
+            conn.send(store.set_level(cmd[1], cmd[2]))
+        elif cmd == "stop":
+            server.stop()
+            conn.send("stopped")
+            return
+
+
+class ServerProcess:
+    """A ShardServer in a spawn process; :attr:`endpoint` once it serves."""
+
+    def __init__(self, shard_id: str = "shard-0", *, level: str | None = None,
+                 store: dict[str, Any] | None = None, server: dict[str, Any] | None = None,
+                 curve_files: dict[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, shard_id, dict(store or {}), dict(server or {}), level,
+                                                     curve_files), daemon=True)
+        self.proc.start()
+        if not self._conn.poll(60):  # readiness: the child reports its endpoint once it serves
+            self.proc.kill()
+            raise RuntimeError("the server process did not report an endpoint")
+        self.endpoint: str = self._conn.recv()
+        self.shard_id = shard_id
+
+    def metrics(self) -> dict[str, Any]:
+        self._conn.send("metrics")
+        assert self._conn.poll(10), "the server process did not answer"
+        return self._conn.recv()
+
+    def set_level(self, level: str, epoch: int) -> bool:
+        self._conn.send(("level", level, epoch))
+        assert self._conn.poll(10), "the server process did not answer"
+        return self._conn.recv()
+
+    def rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._conn.send("stop")
+                self._conn.poll(10)
+            except (BrokenPipeError, OSError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def kv(layers: int = 2, tokens: int = 100, heads: int = 2, dim: int = 16, seed: int = 0,
+       dtype: Any = np.float16) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((layers, tokens, heads, dim), dtype=np.float32).astype(dtype)
+    return k, (rng.standard_normal(k.shape, dtype=np.float32) * 0.5).astype(dtype)
+
+
+def raw_dealer(ctx: zmq.Context[Any], endpoint: str, **options: int) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    sock.connect(endpoint)
+    return sock
+
+
+def request(sock: zmq.Socket[Any], req: Any, timeout_s: float = 10.0) -> Any:
+    sock.send_multipart(p.encode_request(req))
+    assert sock.poll(int(timeout_s * 1000)), f"no reply to {type(req).__name__}"
+    return p.decode_reply(sock.recv_multipart())
+
+
+@pytest.fixture(scope="module")
+def shard() -> Iterator[ServerProcess]:
+    server = ServerProcess()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def q4_shard() -> Iterator[ServerProcess]:
+    server = ServerProcess("shard-q4", level="q4")
+    yield server
+    server.stop()
+
+
+# ---- every operation, client and server in separate processes ----------------------------------------------
+
+
+class DLPackOnly:
+    """A tensor that only speaks DLPack, as a CPU torch tensor does."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self._arr = arr
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._arr.__dlpack_device__()
+
+
+@pytest.mark.timeout(60)
+def test_every_operation_round_trips(shard: ServerProcess) -> None:
+    with Client(shard.endpoint, timeout_s=10) as c:
+        assert c.topology()["shards"] == [{"id": "shard-0", "endpoint": shard.endpoint}]
+        c.register(NS, **LAYOUT)
+        c.register(NS, **LAYOUT)  # same layout again: fine
+        with pytest.raises(LayoutMismatch):
+            c.register(NS, num_layers=3, num_kv_heads=2, head_dim=16)
+        k, v = kv(tokens=150)
+        assert c.append(NS, "rt", k[:, :100], v[:, :100]) == 100
+        assert c.append(NS, "rt", DLPackOnly(k[:, 100:].copy()), memoryview(v[:, 100:].copy())) == 150
+        keys, values = c.get(NS, "rt")
+        assert keys.dtype == np.float16 and np.array_equal(keys, k) and np.array_equal(values, v)
+        part = c.get(NS, "rt", 10, 140, layers=[1])
+        assert np.array_equal(part[0], k[1:2, 10:140]) and np.array_equal(part[1], v[1:2, 10:140])
+        for start, end, layers in ((0, None, None), (10, 140, [1]), (64, 64, [1, 0]), (149, 150, None)):
+            fp16 = c.get(NS, "rt", start, end, layers)
+            paged = c.get(NS, "rt", start, end, layers, format="pages")
+            assert np.array_equal(paged[0], fp16[0]) and np.array_equal(paged[1], fp16[1])
+        assert c.length(NS, "rt") == 150
+        info = c.explain(NS, "rt", 0, 3)
+        assert info["level"] == "fp16" and "sink" in info["reasons"] and info["page"] == 0
+        stats = c.stats()
+        assert stats["tokens"] >= 150 and stats["shards"] == 1 and stats["errors"] == 0
+        (one,) = c.shard_stats()
+        assert one["shard_id"] == "shard-0" and one["server_requests"] > 0 and "used_bytes" in one
+        assert set(c.ping()) == {"shard-0"}
+        assert c.drop(NS, "rt") is True and c.drop(NS, "rt") is False
+        with pytest.raises(UnknownSequence):
+            c.length(NS, "rt")
+
+
+@pytest.mark.timeout(60)
+def test_dtypes_and_refusals_come_back_as_kvd_errors(shard: ServerProcess) -> None:
+    with Client([shard.endpoint], timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        k32, v32 = kv(tokens=5, dtype=np.float32)
+        assert c.append(NS, "f32", k32, v32) == 5
+        assert np.array_equal(c.get(NS, "f32")[0], k32.astype(np.float16))
+        bits = (k32.view(np.uint32) >> 16).astype(np.uint16)  # bfloat16 by truncation, as raw 16-bit patterns
+        assert c.append(NS, "bf16", bits, bits, dtype="bfloat16") == 5
+        want = pages.bf16_bits_to_f16(bits)
+        assert np.array_equal(c.get(NS, "bf16")[0], want)
+        nan = k32.copy()
+        nan[0, 2, 1, 3] = np.nan
+        with pytest.raises(NonFiniteError):
+            c.append(NS, "f32", nan, v32)
+        assert c.length(NS, "f32") == 5  # all or nothing
+        with pytest.raises(LayoutMismatch):
+            c.append(NS, "f32", k32[:, :, :1], v32[:, :, :1])
+        with pytest.raises(UnknownNamespace):
+            c.append("nope", 1, k32, v32)
+        with pytest.raises(InvalidArgument):
+            c.get(NS, "f32", layers=[7])
+        with pytest.raises(UnknownSequence):
+            c.get(NS, "never")
+        with pytest.raises(InvalidArgument):  # checked by the client before anything is sent
+            c.get(NS, "f32", 3, 1)
+
+
+@pytest.mark.timeout(60)
+def test_q4_pages_decode_to_the_fp16_reply(q4_shard: ServerProcess) -> None:
+    with Client(q4_shard.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        k, v = kv(tokens=300, seed=3)
+        c.append(NS, 7, k, v)
+        fp16 = c.get(NS, 7)
+        paged = c.get(NS, 7, format="pages")
+        assert np.array_equal(paged[0], fp16[0]) and np.array_equal(paged[1], fp16[1])
+        assert c.explain(NS, 7, 0, 200)["level"] == "q4"
+        assert not np.array_equal(fp16[0], k)  # it really is quantized ...
+        assert np.abs(fp16[0].astype(np.float32) - k).mean() < 0.2  # ... and close
+
+
+@pytest.mark.timeout(60)
+def test_offsets_make_appends_conditional(shard: ServerProcess) -> None:
+    with Client(shard.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        k, v = kv(tokens=4)
+        with pytest.raises(Conflict, match="offset 3 does not match the length 0"):
+            c.append(NS, "off", k, v, offset=3)
+        with pytest.raises(UnknownSequence):
+            c.length(NS, "off")  # nothing was written
+        assert c.append(NS, "off", k, v, offset=0) == 4
+        assert c.append(NS, "off", k, v, offset=4) == 8
+        with pytest.raises(Conflict):
+            c.append(NS, "off", k, v, offset=4)  # a resend of the same append is refused, not duplicated
+        assert c.length(NS, "off") == 8
+        # pipelined appends with offsets: a gap makes the later ones fail instead of landing at a wrong position
+        out = c.append_many([(NS, "off", k, v, 8), (NS, "off", k, v, 99), (NS, "off", k, v, 12)],
+                            return_exceptions=True)
+        assert out[0] == 12 and isinstance(out[1], Conflict) and out[2] == 16
+
+
+@pytest.mark.timeout(60)
+def test_malformed_requests_get_error_replies_naming_the_problem(shard: ServerProcess) -> None:
+    ctx = zmq.Context()
+    try:
+        sock = raw_dealer(ctx, shard.endpoint)
+        cases = [
+            ([msgpack.packb({"v": 1, "id": 5, "op": "put"})], 5, "ProtocolError", "'put'"),
+            ([msgpack.packb({"v": 1, "id": 6, "op": "get", "namespace": NS, "seq_id": 1, "start": -1})], 6,
+             "InvalidArgument", "start must be in"),
+            ([msgpack.packb({"v": 1, "id": 7, "op": "append", "namespace": NS, "seq_id": 1, "dtype": "float16",
+                             "shape": [2, 1, 2, 16]}), b"\0" * 128, b"\0" * 3], 7, "ProtocolError",
+             "values frame has 3 bytes"),
+            ([msgpack.packb({"v": 9, "id": 8, "op": "ping"})], 8, "UnsupportedVersion", "protocol version 9"),
+            ([b"\xc1"], None, "ProtocolError", "not valid msgpack"),
+            ([msgpack.packb({"v": 1, "id": 9, "op": "topology"})], 9, "ProtocolError",
+             "served by the coordinator"),
+        ]
+        for frames, rid, error, needle in cases:
+            sock.send_multipart(frames)
+            assert sock.poll(10_000)
+            reply = p.decode_reply(sock.recv_multipart())
+            assert isinstance(reply, p.ErrorReply)
+            assert (reply.request_id, reply.error) == (rid, error) and needle in reply.message, reply
+        assert isinstance(request(sock, p.PingRequest(request_id=10)), p.PingReply)
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(60)
+def test_idle_compaction_reencodes_old_pages_after_a_level_rise() -> None:
+    server = ServerProcess("compact", store={"capacity_bytes": 64 << 20},
+                           server={"compact_budget_bytes": 64 << 10})
+    try:
+        with Client(server.endpoint, timeout_s=10) as c:
+            c.register(NS, **LAYOUT)
+            k, v = kv(tokens=640, seed=5)
+            c.append(NS, "old", k, v)
+            before = c.stats()
+            assert before["pages_by_level"] == {"fp16": 20}
+            assert server.set_level("q4", 1)
+            while server.metrics()["compactions"] == 0 or c.stats()["compaction_backlog_bytes"]:
+                assert server.alive()  # readiness: the server compacts while idle, in small steps
+            after = c.stats()
+            assert after["pages_by_level"]["q4"] == 18 and after["used_bytes"] < before["used_bytes"]
+            assert c.explain(NS, "old", 1, 300)["level"] == "q4"
+            assert server.metrics()["compactions"] > 1  # more than one budget-bounded step
+            assert np.abs(c.get(NS, "old")[0].astype(np.float32) - k).mean() < 0.2
+    finally:
+        server.stop()
+
+
+# ---- pipelining --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_pipelined_requests_complete_in_any_order(shard: ServerProcess) -> None:
+    with Client(shard.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        data = {i: kv(tokens=1 + i % 7, seed=i) for i in range(40)}
+        lengths = c.append_many([(NS, f"pipe{i}", k, v) for i, (k, v) in data.items()], window=16)
+        assert lengths == [1 + i % 7 for i in range(40)]
+        pending = [c.get_nowait(NS, f"pipe{i}") for i in data]
+        for i in reversed(range(40)):  # collected in reverse: earlier replies wait in the client for their turn
+            keys, values = pending[i].result()
+            assert np.array_equal(keys, data[i][0]) and np.array_equal(values, data[i][1])
+        gets = c.get_many([(NS, f"pipe{i}") for i in data], format="pages")
+        assert all(np.array_equal(g[0], data[i][0]) for i, g in enumerate(gets))
+        mixed = c.get_many([(NS, "pipe1"), (NS, "missing"), (NS, "pipe2")], return_exceptions=True)
+        assert isinstance(mixed[1], UnknownSequence) and np.array_equal(mixed[2][0], data[2][0])
+
+
+class ReversingServer:
+    """A ROUTER that answers hello at once and then every 8 pings in reverse order: replies out of order."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        held: list[tuple[bytes, int]] = []
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            req = p.decode_request(frames)
+            if isinstance(req, p.HelloRequest):
+                reply: Any = p.HelloReply(request_id=req.request_id, kvd_version="test", page_format_version=1,
+                                          shard_id="rev", page_tokens=64)
+                self.sock.send_multipart([ident, *p.encode_reply(reply)])
+                continue
+            held.append((ident, req.request_id))
+            if len(held) == 8:
+                for who, rid in reversed(held):
+                    self.sock.send_multipart([who, *p.encode_reply(p.PingReply(request_id=rid))])
+                held.clear()
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_replies_are_matched_by_id_not_by_order() -> None:
+    server = ReversingServer()
+    try:
+        with Client(server.endpoint, timeout_s=5) as c:
+            conn = c._conns[server.endpoint]
+            reqs = [p.PingRequest(request_id=next(c._ids)) for _ in range(8)]
+            for req in reqs:
+                c._send(conn, req, float("inf"))
+            import time
+            deadline = time.monotonic() + 5
+            got = [c._wait(conn, req, deadline, 5) for req in reqs]  # the first one arrives last
+            assert [r.request_id for r in got] == [r.request_id for r in reqs]
+
+            async def concurrent() -> list[Any]:
+                async with AsyncClient(server.endpoint, timeout_s=5) as ac:
+                    aconn = ac._conns[server.endpoint]
+                    areqs = [p.PingRequest(request_id=next(ac._ids)) for _ in range(8)]
+
+                    async def one(req: Any) -> Any:
+                        await ac._send(aconn, req, float("inf"))
+                        return await ac._wait(aconn, req, time.monotonic() + 5, 5)
+
+                    return list(await asyncio.gather(*(one(r) for r in areqs)))
+
+            replies = asyncio.run(concurrent())
+            assert all(isinstance(r, p.PingReply) for r in replies)
+            assert len({r.request_id for r in replies}) == 8
+    finally:
+        server.stop.set()
+        server.thread.join(5)
+
+
+# ---- routing, topology, refresh ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_shards() -> Iterator[list[ServerProcess]]:
+    servers = [ServerProcess(f"shard-{i}") for i in range(2)]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.mark.timeout(60)
+def test_routing_by_shard_id_through_the_coordinator(two_shards: list[ServerProcess]) -> None:
+    ids = [s.shard_id for s in two_shards]
+    topo = {"epoch": 3, "shards": [{"id": s.shard_id, "endpoint": s.endpoint} for s in two_shards],
+            "level": "q8", "level_epoch": 2}
+    coordinator = TopologyServer(lambda: topo)
+    try:
+        endpoint = coordinator.start()
+        with Client(endpoint, timeout_s=10) as c:
+            assert c.topology() == topo
+            c.register("route", **LAYOUT)  # to every shard
+            k, v = kv(tokens=3)
+            seqs: list[str | int] = [f"seq-{i}" for i in range(20)] + list(range(20))
+            for s in seqs:
+                c.append("route", s, k, v)
+            per_shard = [Client([srv.endpoint], timeout_s=10) for srv in two_shards]
+            try:
+                for s in seqs:
+                    home = owner(ids, "route", s)
+                    assert per_shard[home].length("route", s) == 3
+                    with pytest.raises(UnknownSequence):
+                        per_shard[1 - home].length("route", s)
+            finally:
+                for x in per_shard:
+                    x.close()
+            assert {owner(ids, "route", s) for s in seqs} == {0, 1}  # both shards got some
+            assert [x["shard_id"] for x in c.shard_stats()] == ids
+            assert c.stats()["sequences"] >= len(seqs)
+        # a list of shard endpoints routes the same way: ids come from each shard's hello
+        with Client([s.endpoint for s in reversed(two_shards)], timeout_s=10) as listed:
+            assert sorted(x["id"] for x in listed.topology()["shards"]) == ids
+            assert all(listed.length("route", s) == 3 for s in seqs)
+    finally:
+        coordinator.stop()
+
+
+@pytest.mark.timeout(60)
+def test_topology_refresh_after_a_shard_moves() -> None:
+    stores = [Store(64 << 20) for _ in range(3)]
+    # s1 restarts at another endpoint (servers[2]) under its own id, empty
+    servers = [ShardServer(stores[i], shard_id=("s0", "s1", "s1")[i]) for i in range(3)]
+    eps = [s.start() for s in servers]
+    topo: dict[str, Any] = {"epoch": 1, "level": "fp16", "level_epoch": 0,
+                            "shards": [{"id": "s0", "endpoint": eps[0]}, {"id": "s1", "endpoint": eps[1]}]}
+    coordinator = TopologyServer(lambda: topo)
+    try:
+        with Client(coordinator.start(), timeout_s=3) as c:
+            c.register(NS, **LAYOUT)
+            k, v = kv(tokens=2)
+            victim = next(s for s in (f"x{i}" for i in range(100)) if owner(["s0", "s1"], NS, s) == 1)
+            c.append(NS, victim, k, v)
+            # shard s1 dies; the coordinator now lists s2 in its place (it came back empty elsewhere)
+            servers[1].stop()
+            stores[2].register(NS, **LAYOUT)
+            topo = {**topo, "epoch": 2, "shards": [topo["shards"][0], {"id": "s1", "endpoint": eps[2]}]}
+            with pytest.raises(UnknownSequence):  # idempotent: refreshed once and retried on the new endpoint
+                c.length(NS, victim)
+            assert c.topology()["epoch"] == 2
+            assert c.append(NS, victim, k, v) == 2  # the next append goes to the new endpoint
+            # an append that meets a dead shard is not retried: the error surfaces, the topology is refreshed
+            servers[2].stop()
+            topo = {**topo, "epoch": 3, "shards": [topo["shards"][0], {"id": "s1", "endpoint": eps[1]}]}
+            with pytest.raises((ShardUnavailable, Timeout)):
+                c.append(NS, victim, k, v)
+            assert c.topology()["epoch"] == 3
+    finally:
+        coordinator.stop()
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.timeout(30)
+def test_every_call_has_a_timeout() -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)  # answers hello, then never anything
+    sock.setsockopt(zmq.LINGER, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def mute() -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                ident, *frames = sock.recv_multipart()
+                req = p.decode_request(frames)
+                if isinstance(req, p.HelloRequest):
+                    sock.send_multipart([ident, *p.encode_reply(p.HelloReply(
+                        request_id=req.request_id, kvd_version="t", page_format_version=1, shard_id="mute",
+                        page_tokens=64))])
+
+    thread = threading.Thread(target=mute, daemon=True)
+    thread.start()
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=0.3) as c:
+            with pytest.raises(Timeout, match="no reply from shard 'mute'.*length"):
+                c.length(NS, 1)
+            with pytest.raises(Timeout):
+                c.get_nowait(NS, 1).result()
+
+            async def run() -> None:
+                async with AsyncClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3) as ac:
+                    with pytest.raises(Timeout):
+                        await ac.length(NS, 1)
+
+            asyncio.run(run())
+        with pytest.raises((Timeout, ShardUnavailable)):  # nothing listens there any more
+            stop.set()
+            thread.join(5)
+            sock.close()
+            Client(f"tcp://127.0.0.1:{port}", timeout_s=0.3)
+    finally:
+        stop.set()
+        ctx.destroy(linger=0)
+
+
+# ---- asyncio -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_async_client(two_shards: list[ServerProcess]) -> None:
+    async def run() -> None:
+        async with AsyncClient([s.endpoint for s in two_shards], timeout_s=10) as c:
+            await c.register("async", **LAYOUT)
+            data = {i: kv(tokens=10 + i, seed=i) for i in range(24)}
+            lengths = await asyncio.gather(*(c.append("async", i, k, v, offset=0) for i, (k, v) in data.items()))
+            assert lengths == [10 + i for i in range(24)]
+            got = await asyncio.gather(*(c.get("async", i, format="pages" if i % 2 else "fp16") for i in data))
+            for i, (keys, values) in enumerate(got):
+                assert np.array_equal(keys, data[i][0]) and np.array_equal(values, data[i][1])
+            assert await c.append_many([("async", 0, *data[0], 10)]) == [20]
+            with pytest.raises(Conflict):
+                await c.append("async", 0, *data[0], offset=0)
+            with pytest.raises(UnknownSequence):
+                await c.length("async", "missing")
+            assert (await c.explain("async", 1, 0, 0))["level"] == "fp16"
+            assert (await c.stats())["shards"] == 2
+            assert await c.drop("async", 3) is True
+
+    asyncio.run(run())
+
+
+def test_aggregate_stats_sums_counters_and_merges_levels() -> None:
+    a = {"used_bytes": 10, "capacity_bytes": 100, "pressure": 0.1, "level": "q8", "epoch": 3,
+         "pages_by_level": {"q8": 2}, "page_tokens": 64, "shard_id": "a"}
+    b = {"used_bytes": 30, "capacity_bytes": 100, "pressure": 0.3, "level": "q4", "epoch": 4,
+         "pages_by_level": {"q8": 1, "q4": 5}, "page_tokens": 64, "shard_id": "b"}
+    out = aggregate_stats([a, b, {"shard_id": "c", "error": "Timeout: x"}])
+    assert out["used_bytes"] == 40 and out["pressure"] == 0.2 and out["level"] == "mixed"
+    assert out["epoch"] == 4 and out["page_tokens"] == 64 and out["pages_by_level"] == {"q8": 3, "q4": 5}
+    assert (out["shards"], out["errors"]) == (3, 1)
