@@ -1,0 +1,686 @@
+"""kvd settings: frozen dataclasses, loaded with the precedence defaults < TOML file < ``KVD_*`` env < flags.
+
+Theory of operation
+-------------------
+Every setting lives in one of four sections, each a frozen, slotted dataclass: :class:`StoreSettings`
+(``[store]``: one shard's page store), :class:`PolicySettings` (``[policy]``: the pressure policy),
+:class:`ClusterSettings` (``[cluster]``: Ray, ports, shards, memory) and :class:`CurveSettings` (``[curve]``:
+ZeroMQ CURVE key files). A setting has one name used everywhere: ``section.key`` in code and on the command
+line (``--set cluster.shards=4``), ``key = value`` under ``[section]`` in TOML, and ``KVD_SECTION_KEY`` in the
+environment (``KVD_CLUSTER_SHARDS=4``). Each field carries its parser and help text in its dataclass
+metadata, so parsing, validation, ``--help`` and error messages all come from one table (:data:`SETTINGS`).
+
+:func:`load_config` layers the sources. Values from TOML are typed (an int stays an int); values from the
+environment are strings and go through the same parser. Unknown keys, in TOML or as ``KVD_*`` variables, are
+errors: :class:`~kvd.errors.ConfigError` naming the key and listing the valid ones. Three ``KVD_*`` variables
+belong to other parts of kvd and are left alone here: ``KVD_KERNELS`` (kernel backend, read by kvd.kernels),
+``KVD_PYTHON`` (the interpreter bin/kvd creates .venv with) and
+``KVD_SAMPLE`` (path of the real-KV sample used by tests and benches). ``KVD_CONFIG`` names the TOML file when
+no path is given explicitly.
+
+This module is the only place in kvd that reads configuration from the environment or from files; it also
+keeps the small run notes `kvd up` leaves for `kvd status` and `kvd down` (:func:`write_run_file`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvd.errors import ConfigError
+from kvd.policy import PROFILES, Level, PolicyConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - kvd runs on 3.11 here; 3.10 needs the tomli backport
+    import tomli as tomllib
+
+__all__ = [
+    "Config",
+    "StoreSettings",
+    "PolicySettings",
+    "ClusterSettings",
+    "CurveSettings",
+    "SETTINGS",
+    "load_config",
+    "parse_size",
+    "format_size",
+    "default_memory_bytes",
+    "env_name",
+    "describe",
+    "run_file_path",
+    "write_run_file",
+    "read_run_file",
+    "remove_run_file",
+]
+
+_KIB = 1024
+_MIB = 1024 * _KIB
+_GIB = 1024 * _MIB
+
+ENV_PREFIX = "KVD_"
+CONFIG_ENV = "KVD_CONFIG"
+# KVD_* variables owned by other modules: never reported as unknown settings.
+FOREIGN_ENV = frozenset({"KVD_KERNELS", "KVD_SAMPLE", "KVD_PYTHON", CONFIG_ENV})
+
+# Default total memory of `kvd up`: a quarter of this machine's memory, capped, so a laptop keeps room for the
+# inference process itself; at least 64 MiB so that tiny containers still start.
+DEFAULT_MEMORY_FRACTION = 0.25
+DEFAULT_MEMORY_CAP_BYTES = 8 * _GIB
+DEFAULT_MEMORY_FLOOR_BYTES = 64 * _MIB
+DEFAULT_PORT = 7070
+
+# ------------------------------------------------------------------------------------------------ parsers
+
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": _KIB, "kib": _KIB, "ki": _KIB, "kb": 1000,
+    "m": _MIB, "mib": _MIB, "mi": _MIB, "mb": 1000**2,
+    "g": _GIB, "gib": _GIB, "gi": _GIB, "gb": 1000**3,
+    "t": 1024 * _GIB, "tib": 1024 * _GIB, "ti": 1024 * _GIB, "tb": 1000**4,
+}
+
+
+def parse_size(value: object, *, name: str = "size") -> int:
+    """Bytes from an int or a string such as ``"8GiB"``, ``"512 MiB"``, ``"1.5G"``, ``"4096"``.
+
+    Binary units: ``KiB MiB GiB TiB`` (also ``Ki``/``K``, ``Mi``/``M``, ...); decimal: ``KB MB GB TB``; case is
+    ignored. Fractions are rounded to whole bytes. Raises :class:`ConfigError` (naming ``name``) for anything
+    else, including negative numbers and booleans.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size such as 8GiB or 512MiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{name}: size must not be negative, got {value!r}")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value) or value < 0:
+            raise ConfigError(f"{name}: size must be a finite non-negative number, got {value!r}")
+        return int(round(value))
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a size such as 8GiB or 512MiB, got {type(value).__name__} {value!r}")
+    match = _SIZE_RE.match(value)
+    unit_factor = _SIZE_UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit_factor is None:
+        raise ConfigError(
+            f"{name}: cannot read {value!r} as a size; use bytes or a unit: KiB MiB GiB TiB (binary), "
+            "KB MB GB TB (decimal)"
+        )
+    return int(round(float(match.group(1)) * unit_factor))
+
+
+def format_size(n_bytes: float) -> str:
+    """``n_bytes`` in binary units for people: ``"1.50 GiB"``, ``"512.00 MiB"``, ``"17 B"``."""
+    n = float(n_bytes)
+    for unit, factor in (("TiB", 1024 * _GIB), ("GiB", _GIB), ("MiB", _MIB), ("KiB", _KIB)):
+        if abs(n) >= factor:
+            return f"{n / factor:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+Parser = Callable[[str, object], Any]
+
+
+def _int(low: int, high: int | None = None) -> Parser:
+    def parse(name: str, value: object) -> int:
+        if isinstance(value, str):
+            try:
+                value = int(value.strip(), 10)
+            except ValueError:
+                raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+        if value < low or (high is not None and value > high):
+            bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+            raise ConfigError(f"{name}: must be {bound}, got {value!r}")
+        return value
+
+    return parse
+
+
+def _opt(parse: Parser) -> Parser:
+    """Also accept "" / "none" / "default" (from env or TOML) as None: use the built-in default."""
+
+    def parse_opt(name: str, value: object) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "default")):
+            return None
+        return parse(name, value)
+
+    return parse_opt
+
+
+def _float(low: float, high: float | None = None, *, open_low: bool = False) -> Parser:
+    def parse(name: str, value: object) -> float:
+        if isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+        number = float(value)
+        too_low = number <= low if open_low else number < low
+        if not math.isfinite(number) or too_low or (high is not None and number > high):
+            lo = f"({low}" if open_low else f"[{low}"
+            bound = f"{lo}, {high}]" if high is not None else (f"> {low}" if open_low else f">= {low}")
+            raise ConfigError(f"{name}: must be in {bound}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _size(minimum: int) -> Parser:
+    def parse(name: str, value: object) -> int:
+        n = parse_size(value, name=name)
+        if n < minimum:
+            raise ConfigError(f"{name}: must be at least {format_size(minimum)}, got {value!r}")
+        return n
+
+    return parse
+
+
+def _choice(*choices: str) -> Parser:
+    def parse(name: str, value: object) -> str:
+        if not isinstance(value, str) or value.strip().lower() not in choices:
+            raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+        return value.strip().lower()
+
+    return parse
+
+
+def _level_tag(name: str, value: object) -> str:
+    tags = [level.tag for level in Level]
+    return _choice(*tags)(name, value)
+
+
+def _int_tuple(name: str, value: object) -> tuple[int, ...]:
+    """A list of non-negative ints; from the environment a comma-separated string ("0,1,31")."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        try:
+            items: list[object] = [int(p, 10) for p in parts]
+        except ValueError:
+            raise ConfigError(f"{name}: expected comma-separated integers, got {value!r}") from None
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ConfigError(f"{name}: expected a list of integers, got {type(value).__name__} {value!r}")
+    out: list[int] = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ConfigError(f"{name}: expected non-negative integers, got {item!r}")
+        out.append(item)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{name}: duplicate entries in {value!r}")
+    return tuple(sorted(out))
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{name}: expected a string, got {type(value).__name__} {value!r}")
+    return value.strip()
+
+
+def _name(name: str, value: object) -> str:
+    text = _text(name, value)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", text):
+        raise ConfigError(f"{name}: expected 1-63 letters, digits, '_', '.' or '-', got {value!r}")
+    return text
+
+
+def _path(name: str, value: object) -> str | None:
+    text = _opt(_text)(name, value)
+    return None if text is None else os.path.expanduser(text)
+
+
+def _port_range(name: str, value: object) -> str:
+    """"" (any free port) or "LOW-HIGH" (inclusive, 1..65535)."""
+    text = _text(name, value)
+    if text in ("", "0"):
+        return ""
+    match = re.fullmatch(r"(\d{1,5})\s*-\s*(\d{1,5})", text)
+    if match is None or not 1 <= int(match.group(1)) <= int(match.group(2)) <= 65535:
+        raise ConfigError(f"{name}: expected a port range LOW-HIGH within 1-65535 (or empty), got {value!r}")
+    return f"{int(match.group(1))}-{int(match.group(2))}"
+
+
+def _setting(default: Any, parse: Parser, doc: str) -> Any:
+    return field(default=default, metadata={"parse": parse, "doc": doc})
+
+
+# ----------------------------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreSettings:
+    """``[store]``: one shard's page store. ``None`` means "the Store's own default" (chosen by measurement)."""
+
+    capacity_bytes: int | None = _setting(
+        None, _opt(_size(_MIB)), "bytes of KV memory per shard (default: cluster.memory_bytes / cluster.shards)"
+    )
+    page_tokens: int | None = _setting(None, _opt(_int(1, 65535)), "tokens per page (default: the store's)")
+    window_tokens: int | None = _setting(
+        None, _opt(_int(0)), "recent tokens kept at fp16 per sequence (default: the store's)"
+    )
+    sink_tokens: int | None = _setting(
+        None, _opt(_int(0)), "first tokens kept at fp16 per sequence, attention sinks (default: the store's)"
+    )
+    raw_layers: tuple[int, ...] = _setting((), _int_tuple, "layers never quantized, e.g. [0, 31]")
+    raw_heads: tuple[int, ...] = _setting((), _int_tuple, "KV heads never quantized")
+    eviction: str = _setting(
+        "lru", _choice("lru", "none"), "when full at the most compact level: lru = evict least recently used "
+        "sequences, none = refuse appends with OutOfMemory"
+    )
+    eight_bit: str = _setting(
+        "q8", _choice("q8", "fp8_e4m3", "fp8_e5m2"), "the 8-bit rung: q8 (int8, most accurate), fp8_e4m3, fp8_e5m2"
+    )
+    compact_budget_bytes: int = _setting(
+        8 * _MIB, _size(4 * _KIB), "bytes re-encoded per compaction step between requests after a level rise"
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicySettings:
+    """``[policy]``: the pressure policy. Numbers left at ``None`` come from ``profile``."""
+
+    profile: str = _setting("default", _choice(*PROFILES), f"policy profile: {', '.join(PROFILES)}")
+    q8_threshold: float | None = _setting(None, _opt(_float(0.0, 1.0)), "pressure for the 8-bit rung (0.80)")
+    q4_threshold: float | None = _setting(None, _opt(_float(0.0, 1.0)), "pressure for q4 (0.95)")
+    hysteresis: float | None = _setting(
+        None, _opt(_float(0.0, 1.0)), "margin below a threshold before stepping down (0.05)"
+    )
+    ewma_alpha: float | None = _setting(None, _opt(_float(0.0, 1.0)), "EWMA weight of the newest sample (0.20)")
+    min_level: str | None = _setting(None, _opt(_level_tag), "least compact level allowed (fp16)")
+    max_level: str | None = _setting(None, _opt(_level_tag), "most compact level allowed (q4)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSettings:
+    """``[cluster]``: Ray, shards, memory, ports."""
+
+    address: str = _setting(
+        "", _text, 'Ray cluster to join: "" starts an embedded local Ray; "auto" joins the cluster running on '
+        'this machine; or "ray://host:10001" / "host:6379"'
+    )
+    namespace: str = _setting("kvd", _name, "Ray namespace of the kvd actors (run several kvds side by side)")
+    shards: int = _setting(2, _int(1, 4096), "number of shard actors")
+    memory_bytes: int = _setting(
+        None,
+        _size(_MIB),
+        "total KV memory over all shards (default: 25% of this machine's memory, at most 8 GiB)",
+    )
+    report_interval_s: float = _setting(
+        0.5, _float(0.0, 60.0, open_low=True), "seconds between a shard's pressure reports"
+    )
+    pressure_mode: str = _setting(
+        "sum", _choice("sum", "max"), "cluster pressure: sum = total used / total capacity, max = fullest shard"
+    )
+    host: str = _setting(
+        "auto", _text, 'address the coordinator and shards bind: "auto" = 127.0.0.1 on an embedded Ray, '
+        "the node's IP on a cluster"
+    )
+    port: int = _setting(DEFAULT_PORT, _int(0, 65535), "coordinator's client port (0 = any free port)")
+    shard_ports: str = _setting(
+        "", _port_range, 'ports shards bind, e.g. "7500-7599" for a firewall ("" = any free port)'
+    )
+    metrics_port: int = _setting(0, _int(0, 65535), "Prometheus metrics port of `kvd up` (0 = off)")
+    shard_cpus: float = _setting(1.0, _float(0.0, 1024.0), "logical CPUs Ray reserves per shard (0 = none)")
+    num_cpus: int | None = _setting(
+        None, _opt(_int(1, 1 << 16)), "CPUs of an embedded Ray (default: this machine's, at least enough "
+        "for the shards)"
+    )
+    ray_timeout_s: float = _setting(10.0, _float(0.0, 3600.0, open_low=True), "timeout of every Ray call")
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes is None:
+            object.__setattr__(self, "memory_bytes", default_memory_bytes())
+
+    @property
+    def shard_port_range(self) -> tuple[int, int] | None:
+        """``(low, high)`` inclusive, or None for any free port."""
+        if not self.shard_ports:
+            return None
+        low, high = self.shard_ports.split("-")
+        return int(low), int(high)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CurveSettings:
+    """``[curve]``: ZeroMQ CURVE encryption (``kvd keygen DIR`` writes the files). Off unless a key is set."""
+
+    server_secret_key: str | None = _setting(
+        None, _path, "servers: the server key pair file (server.key_secret); enables CURVE"
+    )
+    authorized_keys: str | None = _setting(
+        None, _path, "servers: directory of allowed client public keys (*.key); unset = any client with the "
+        "server's public key"
+    )
+    client_secret_key: str | None = _setting(None, _path, "clients: this client's key pair (client.key_secret)")
+    server_public_key: str | None = _setting(None, _path, "clients: the server's public key (server.key)")
+
+
+_SECTIONS: dict[str, type] = {
+    "store": StoreSettings,
+    "policy": PolicySettings,
+    "cluster": ClusterSettings,
+    "curve": CurveSettings,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """One entry of :data:`SETTINGS`: where it lives, how to parse it, what it means."""
+
+    section: str
+    key: str
+    parse: Parser
+    doc: str
+    default: Any
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.key}"
+
+    @property
+    def env(self) -> str:
+        return env_name(self.section, self.key)
+
+
+SETTINGS: dict[str, Setting] = {
+    f"{section}.{f.name}": Setting(section, f.name, f.metadata["parse"], f.metadata["doc"], f.default)
+    for section, cls in _SECTIONS.items()
+    for f in dataclasses.fields(cls)
+}
+
+
+def env_name(section: str, key: str) -> str:
+    """The environment variable of a setting: ``KVD_CLUSTER_SHARDS`` for ``cluster.shards``."""
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+_BY_ENV = {s.env: s for s in SETTINGS.values()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """All kvd settings. Build with :func:`load_config`; ``Config()`` is the built-in defaults."""
+
+    store: StoreSettings = field(default_factory=StoreSettings)
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    curve: CurveSettings = field(default_factory=CurveSettings)
+    source: tuple[str, ...] = ()  # where values came from, for `kvd up` to print ("file kvd.toml", "env", ...)
+
+    def __post_init__(self) -> None:
+        self.policy_config()  # cross-field checks (q4 >= q8, min <= max) surface at load time
+        if self.store.capacity_bytes is None and self.shard_capacity_bytes < _MIB:
+            raise ConfigError(
+                f"cluster.memory_bytes ({format_size(self.cluster.memory_bytes)}) over {self.cluster.shards} "
+                "shards gives less than 1 MiB per shard"
+            )
+
+    @property
+    def shard_capacity_bytes(self) -> int:
+        """Bytes of KV memory each shard's Store gets."""
+        if self.store.capacity_bytes is not None:
+            return self.store.capacity_bytes
+        return self.cluster.memory_bytes // self.cluster.shards
+
+    @property
+    def total_capacity_bytes(self) -> int:
+        return self.shard_capacity_bytes * self.cluster.shards
+
+    def policy_config(self) -> PolicyConfig:
+        """The :class:`PolicyConfig`: the profile, then any explicit numbers; the 8-bit rung from the store."""
+        base = PolicyConfig.profile(self.policy.profile)
+        changes: dict[str, Any] = {}
+        for name in ("q8_threshold", "q4_threshold", "hysteresis", "ewma_alpha", "min_level", "max_level"):
+            value = getattr(self.policy, name)
+            if value is not None:
+                changes[name] = value
+        changes["eight_bit"] = Level.Q8 if self.store.eight_bit == "q8" else Level.FP8
+        try:
+            return dataclasses.replace(base, **changes)
+        except ConfigError as exc:
+            raise ConfigError(f"[policy] {exc}") from None
+
+    def store_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``Store(shard_capacity_bytes, **kwargs)``; unset options are left out."""
+        s = self.store
+        out: dict[str, Any] = {
+            "raw_layers": s.raw_layers,
+            "raw_heads": s.raw_heads,
+            "eviction": s.eviction,
+            "eight_bit": s.eight_bit,
+        }
+        for name in ("page_tokens", "window_tokens", "sink_tokens"):
+            if getattr(s, name) is not None:
+                out[name] = getattr(s, name)
+        return out
+
+    def with_values(self, values: Mapping[str, Any], *, source: str = "overrides") -> Config:
+        """A copy with ``{"section.key": value}`` applied (values parsed as from TOML or env)."""
+        return _apply(self, values, source=source)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """``{section: {key: value}}``, loadable again with :meth:`with_values` (tuples become lists)."""
+        out: dict[str, dict[str, Any]] = {}
+        for section in _SECTIONS:
+            obj = getattr(self, section)
+            out[section] = {
+                f.name: list(v) if isinstance(v := getattr(obj, f.name), tuple) else v
+                for f in dataclasses.fields(obj)
+            }
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _setting_for(dotted: str) -> Setting:
+    setting = SETTINGS.get(dotted)
+    if setting is None:
+        section = dotted.split(".", 1)[0]
+        valid = [k for k in SETTINGS if k.startswith(section + ".")] or list(SETTINGS)
+        close = difflib.get_close_matches(dotted, list(SETTINGS), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"unknown setting {dotted!r}{hint}; valid: {', '.join(valid)}")
+    return setting
+
+
+def _apply(config: Config, values: Mapping[str, Any], *, source: str) -> Config:
+    if not values:
+        return config
+    per_section: dict[str, dict[str, Any]] = {}
+    for dotted, raw in values.items():
+        setting = _setting_for(dotted)
+        try:
+            parsed = setting.parse(setting.dotted, raw)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (from {source})") from None
+        per_section.setdefault(setting.section, {})[setting.key] = parsed
+    sections = {name: getattr(config, name) for name in _SECTIONS}
+    for name, changes in per_section.items():
+        sections[name] = dataclasses.replace(sections[name], **changes)
+    return Config(**sections, source=(*config.source, source))
+
+
+def _flatten_toml(data: Mapping[str, Any], path: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{path}: unknown section [{section}]; valid sections: {', '.join(f'[{s}]' for s in _SECTIONS)}"
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: {section} must be a table ([{section}]), got {table!r}")
+        for key, value in table.items():
+            dotted = f"{section}.{key}"
+            if dotted not in SETTINGS:
+                valid = [k.split(".", 1)[1] for k in SETTINGS if k.startswith(section + ".")]
+                close = difflib.get_close_matches(key, valid, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"{path}: unknown key {key!r} in [{section}]{hint}; valid: {', '.join(valid)}")
+            out[dotted] = value
+    return out
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``{"section.key": value}`` from a TOML file; ConfigError for a missing file, bad TOML or unknown keys."""
+    p = Path(path).expanduser()
+    try:
+        with p.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    return _flatten_toml(data, str(p))
+
+
+def read_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``{"section.key": text}`` from the ``KVD_*`` variables of ``env``; ConfigError for an unknown one."""
+    out: dict[str, str] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name in FOREIGN_ENV:
+            continue
+        setting = _BY_ENV.get(name)
+        if setting is None:
+            valid = sorted(_BY_ENV)
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(
+                f"unknown environment variable {name}{hint}; valid: {', '.join(valid)} "
+                f"(and {', '.join(sorted(FOREIGN_ENV))}, read elsewhere)"
+            )
+        out[setting.dotted] = value
+    return out
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults < TOML file < ``KVD_*`` environment < ``overrides`` (command-line flags).
+
+    ``path``: the TOML file; when None, ``$KVD_CONFIG`` if set, else no file. ``env``: the environment to read
+    (default ``os.environ``). ``overrides``: ``{"section.key": value}``, typed or as text; ``None`` values are
+    skipped (a flag that was not given). Raises :class:`ConfigError` naming the key for unknown keys, bad
+    values or contradictory settings.
+    """
+    environ = os.environ if env is None else env
+    if path is None and environ.get(CONFIG_ENV):
+        path = environ[CONFIG_ENV]
+    config = Config()
+    if path is not None:
+        config = _apply(config, read_toml(path), source=f"file {os.fspath(path)}")
+    config = _apply(config, read_env(environ), source="environment")
+    if overrides:
+        given = {k: v for k, v in overrides.items() if v is not None}
+        config = _apply(config, given, source="flags")
+    return config
+
+
+# ------------------------------------------------------------------------------------------ machine facts
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's memory, or the cgroup (container) limit when lower; None when unknown."""
+    total: int | None = None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        total = None
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = int(text)
+            if total is None or 0 < limit < total:
+                total = limit
+        break
+    return total
+
+
+def default_memory_bytes() -> int:
+    """The default of ``cluster.memory_bytes``: 25% of this machine's memory, capped at 8 GiB, at least 64 MiB."""
+    total = physical_memory_bytes() or 4 * _GIB
+    return max(DEFAULT_MEMORY_FLOOR_BYTES, min(DEFAULT_MEMORY_CAP_BYTES, int(total * DEFAULT_MEMORY_FRACTION)))
+
+
+# ------------------------------------------------------------------------------------------- run files
+# `kvd up` leaves a small JSON note (its pid, the Ray address, the client endpoint) so that `kvd status` and
+# `kvd down` on the same machine find an embedded kvd without being told where it is.
+
+
+def run_file_path(namespace: str) -> Path:
+    """Where ``kvd up`` notes the kvd of ``namespace`` on this machine: ``$TMPDIR/kvd-<uid>/<namespace>.json``."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"kvd-{uid}" / f"{namespace}.json"
+
+
+def write_run_file(namespace: str, info: Mapping[str, Any]) -> Path:
+    """Write the run note of ``namespace`` atomically (0600); returns its path."""
+    path = run_file_path(namespace)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(dict(info), fh)
+    os.replace(tmp, path)
+    return path
+
+
+def read_run_file(namespace: str) -> dict[str, Any] | None:
+    """The run note of ``namespace``, or None if there is none (or it is unreadable)."""
+    try:
+        data = json.loads(run_file_path(namespace).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def remove_run_file(namespace: str, *, pid: int | None = None) -> None:
+    """Remove the run note (only if it belongs to ``pid`` when given)."""
+    path = run_file_path(namespace)
+    if pid is not None:
+        note = read_run_file(namespace)
+        if note is None or note.get("pid") != pid:
+            return
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def describe() -> str:
+    """Every setting with its env variable, default and meaning (for ``kvd config --help`` and docs)."""
+    lines = []
+    for section in _SECTIONS:
+        lines.append(f"[{section}]")
+        for s in SETTINGS.values():
+            if s.section != section:
+                continue
+            default = "-" if s.default is None else repr(s.default)
+            lines.append(f"  {s.key:<22} {default:<12} {s.env}")
+            lines.append(f"      {s.doc}")
+    return "\n".join(lines)

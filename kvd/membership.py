@@ -1,0 +1,509 @@
+"""The coordinator's brain, pure: membership, topology, level epochs and cluster pressure (no Ray, no ZeroMQ).
+
+Theory of operation
+-------------------
+Shards are known by stable ids (``shard-0`` ...). A shard *registers* when its process starts (with a fresh
+``incarnation``) and then *reports* ``used`` / ``capacity`` and the level and epoch its store has applied,
+every report interval. The coordinator (kvd.coordinator) owns one :class:`Membership` and passes each event in
+with the current time; everything here is deterministic, so the unit tests drive it with a fake clock.
+
+Topology. The topology lists every known shard and its endpoint under a *topology epoch* that increases
+whenever a shard joins, changes endpoint (a restarted shard) or is removed. A shard that stops reporting is
+marked *down* after ``stale_after_s`` but stays in the topology: clients route by rendezvous hashing over the
+shard ids, so removing it would silently move its sequences to another shard; keeping it gives their owners a
+clear error until it comes back (empty) under the same id.
+
+Pressure and levels. Cluster pressure is ``sum(used) / sum(capacity)`` over the shards that are up (mode
+``"sum"``) or the fullest shard's ``used / capacity`` (mode ``"max"``). The policy gets one sample per report
+*round*: when every up shard has reported since the last sample (or, if one is late, two report intervals
+after the last sample), so the EWMA's time constant does not depend on the number of shards. When the policy's
+level changes, the *level epoch* increases by one and a :class:`LevelOrder` for every up shard is returned;
+the caller persists the epoch and broadcasts ``set_level(level, epoch)``. A shard that reports an older epoch
+is sent the current order again (a lost broadcast or a restarted, empty shard converges within one report).
+
+Restarts. A coordinator restarted with ``recovered_epoch`` / ``recovered_level`` (from persistent storage)
+continues from there; a report carrying a newer epoch than the coordinator knows raises the floor, so no epoch
+is ever issued twice or backwards. Until every expected shard has reported (or ``stale_after_s`` has passed)
+no level decision is made. The first sample after a recovery is seeded into the band of the recovered level,
+so a restart inside a hysteresis band does not move the level by itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvd.errors import InvalidArgument
+from kvd.policy import Level, Policy
+
+__all__ = ["Membership", "ShardReport", "ShardState", "LevelOrder", "Registration", "ReportOutcome", "LevelChange"]
+
+PRESSURE_MODES = ("sum", "max")
+_HISTORY_LEN = 64
+# A round with a silent shard closes after this many report intervals, so one slow shard cannot stall control.
+_ROUND_TIMEOUT_INTERVALS = 2.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardReport:
+    """What a shard tells the coordinator every report interval. Bytes are exact store accounting."""
+
+    shard_id: str
+    incarnation: str
+    endpoint: str
+    used_bytes: int
+    capacity_bytes: int
+    level: str  # tag of the level the shard's store has applied
+    epoch: int  # level epoch the shard's store has applied
+    node: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.shard_id or not isinstance(self.shard_id, str):
+            raise InvalidArgument(f"shard_id must be a non-empty str, got {self.shard_id!r}")
+        for name in ("used_bytes", "capacity_bytes", "epoch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
+        Level.from_tag(self.level)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardState:
+    """The coordinator's view of one shard. Times are the caller's clock (seconds)."""
+
+    shard_id: str
+    endpoint: str
+    incarnation: str
+    node: str
+    registered_at: float
+    last_report_at: float | None = None
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    level: str = Level.FP16.tag
+    epoch: int = 0
+    up: bool = True
+    restarts: int = 0
+
+    @property
+    def pressure(self) -> float:
+        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LevelOrder:
+    """``set_level(level, epoch)`` to send to each shard in ``targets``."""
+
+    level: Level
+    epoch: int
+    targets: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """The answer to a registration: the level and epoch the shard must apply now, the topology epoch."""
+
+    level: Level
+    epoch: int
+    topology_epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReportOutcome:
+    """``known``: False when the shard must register first (e.g. the coordinator restarted).
+    ``order``: a cluster-wide level change to persist and broadcast. ``resend``: the current order for this
+    shard alone (it reported an older epoch). ``level`` / ``epoch``: the level in force and its epoch, read
+    together (None when not ``known``)."""
+
+    known: bool
+    order: LevelOrder | None = None
+    resend: LevelOrder | None = None
+    level: Level | None = None
+    epoch: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LevelChange:
+    """One level change, for status and the bench. Times are the caller's clock (seconds).
+
+    ``crossed_at``: when raw cluster pressure last crossed the threshold behind this change (None when it
+    is a step down). ``applied_at``: when the last up shard confirmed the epoch. ``relieved_at``: when raw
+    pressure fell back below the threshold after a step up (re-compression freed the memory)."""
+
+    epoch: int
+    level: str
+    previous: str
+    pressure: float
+    smoothed: float
+    decided_at: float
+    crossed_at: float | None = None
+    threshold: float | None = None
+    applied_at: float | None = None
+    relieved_at: float | None = None
+    pending: tuple[str, ...] = ()
+
+
+class Membership:
+    """Membership, topology and the level controller of one coordinator. Thread-safe; pure (no I/O).
+
+    ``policy``: the :class:`~kvd.policy.Policy` to feed. ``expected``: shard ids the cluster is configured
+    with (no level decision until each has reported or ``stale_after_s`` passed since ``now``).
+    ``recovered_epoch`` / ``recovered_level``: state persisted by a previous coordinator; a fresh cluster
+    (``recovered_epoch=0``) starts at epoch 1 with the policy's minimum level, so a new store (epoch 0)
+    always applies it.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        now: float,
+        report_interval_s: float,
+        stale_after_s: float | None = None,
+        pressure_mode: str = "sum",
+        expected: Iterable[str] = (),
+        recovered_epoch: int = 0,
+        recovered_level: Level | str | None = None,
+        recovered_topology_epoch: int = 0,
+    ) -> None:
+        if pressure_mode not in PRESSURE_MODES:
+            raise InvalidArgument(f"pressure_mode must be one of {PRESSURE_MODES}, got {pressure_mode!r}")
+        if not report_interval_s > 0:
+            raise InvalidArgument(f"report_interval_s must be > 0, got {report_interval_s!r}")
+        self._policy = policy
+        self._mode = pressure_mode
+        self._interval_s = float(report_interval_s)
+        self._stale_after_s = float(stale_after_s) if stale_after_s else max(3.0 * self._interval_s, 1.0)
+        self._expected = tuple(expected)
+        self._started_at = now
+        self._lock = threading.Lock()
+        self._shards: dict[str, ShardState] = {}
+        self._fresh: set[str] = set()
+        self._last_sample_at: float | None = None
+        self._samples = 0
+        self._history: deque[LevelChange] = deque(maxlen=_HISTORY_LEN)
+        self._raw_pressure: float | None = None
+        # When raw pressure last rose through each threshold (cleared when it falls back below).
+        self._crossed_at: dict[float, float] = {}
+        self._topology_epoch = int(recovered_topology_epoch)
+        if recovered_epoch > 0 and recovered_level is not None:
+            self._level = Level.parse(recovered_level)
+            self._epoch = int(recovered_epoch)
+            self._seed: Level | None = self._level
+        else:
+            # A fresh cluster: epoch 1 carries the policy's starting level (min_level) to every new store.
+            self._level = policy.level
+            self._epoch = int(recovered_epoch) + 1
+            self._seed = None
+        self._epoch_dirty = True  # the caller should persist (level, epoch) at least once
+
+    # ----------------------------------------------------------------------------------------- properties
+
+    @property
+    def level(self) -> Level:
+        with self._lock:
+            return self._level
+
+    @property
+    def epoch(self) -> int:
+        """The level epoch: increases by one at every level change; never decreases."""
+        with self._lock:
+            return self._epoch
+
+    @property
+    def topology_epoch(self) -> int:
+        with self._lock:
+            return self._topology_epoch
+
+    @property
+    def stale_after_s(self) -> float:
+        return self._stale_after_s
+
+    def take_dirty(self) -> tuple[Level, int, int] | None:
+        """``(level, epoch, topology_epoch)`` if they changed since the last call (to persist), else None."""
+        with self._lock:
+            if not self._epoch_dirty:
+                return None
+            self._epoch_dirty = False
+            return self._level, self._epoch, self._topology_epoch
+
+    # ------------------------------------------------------------------------------------------- events
+
+    def register(
+        self, shard_id: str, endpoint: str, *, incarnation: str, now: float, node: str = ""
+    ) -> Registration:
+        """A shard (re)started and serves ``endpoint``. Returns the level and epoch it must apply now.
+
+        A new id or a new endpoint bumps the topology epoch; a new ``incarnation`` of a known id counts a
+        restart and forgets the old process's figures (it came back empty).
+        """
+        if not shard_id or not isinstance(shard_id, str):
+            raise InvalidArgument(f"shard_id must be a non-empty str, got {shard_id!r}")
+        if not endpoint or not isinstance(endpoint, str):
+            raise InvalidArgument(f"endpoint must be a non-empty str, got {endpoint!r}")
+        with self._lock:
+            old = self._shards.get(shard_id)
+            if old is None:
+                self._shards[shard_id] = ShardState(
+                    shard_id=shard_id, endpoint=endpoint, incarnation=incarnation, node=node, registered_at=now
+                )
+                self._bump_topology()
+            elif old.incarnation != incarnation or old.endpoint != endpoint:
+                self._shards[shard_id] = ShardState(
+                    shard_id=shard_id,
+                    endpoint=endpoint,
+                    incarnation=incarnation,
+                    node=node,
+                    registered_at=now,
+                    restarts=old.restarts + (old.incarnation != incarnation),
+                )
+                if old.endpoint != endpoint:
+                    self._bump_topology()
+            elif not old.up:
+                self._shards[shard_id] = replace(old, up=True)
+            return Registration(self._level, self._epoch, self._topology_epoch)
+
+    def report(self, report: ShardReport, *, now: float) -> ReportOutcome:
+        """Record a shard's figures; maybe take a policy sample. See :class:`ReportOutcome`."""
+        with self._lock:
+            state = self._shards.get(report.shard_id)
+            if state is None or state.incarnation != report.incarnation or state.endpoint != report.endpoint:
+                return ReportOutcome(known=False)
+            self._shards[report.shard_id] = replace(
+                state,
+                last_report_at=now,
+                used_bytes=report.used_bytes,
+                capacity_bytes=report.capacity_bytes,
+                level=report.level,
+                epoch=report.epoch,
+                up=True,
+            )
+            if report.epoch > self._epoch:
+                # A shard applied an epoch this coordinator never issued: its predecessor did, and its state
+                # was lost. Adopt it so the next order is newer than anything any shard has applied.
+                self._epoch = report.epoch
+                self._level = Level.from_tag(report.level)
+                self._seed = self._level
+                self._epoch_dirty = True
+            self._note_applied(report.shard_id, report.epoch, now)
+            self._fresh.add(report.shard_id)
+            self._expire(now)
+            order = self._maybe_sample(now)
+            resend = None
+            if order is None and report.epoch < self._epoch:
+                resend = LevelOrder(self._level, self._epoch, (report.shard_id,))
+            return ReportOutcome(known=True, order=order, resend=resend, level=self._level, epoch=self._epoch)
+
+    def acknowledge(self, shard_id: str, epoch: int, *, now: float) -> None:
+        """A shard confirmed applying ``epoch`` (the reply of a set_level broadcast)."""
+        with self._lock:
+            state = self._shards.get(shard_id)
+            if state is None:
+                return
+            if epoch > state.epoch:
+                self._shards[shard_id] = replace(state, epoch=epoch, level=self._level_of_epoch(epoch, state))
+            self._note_applied(shard_id, epoch, now)
+
+    def expire(self, now: float) -> list[str]:
+        """Mark shards that have not reported for ``stale_after_s`` as down; returns the ids newly down."""
+        with self._lock:
+            return self._expire(now)
+
+    def remove(self, shard_id: str) -> bool:
+        """Forget a shard (it was stopped on purpose). Bumps the topology epoch; False if unknown."""
+        with self._lock:
+            if self._shards.pop(shard_id, None) is None:
+                return False
+            self._fresh.discard(shard_id)
+            self._bump_topology()
+            return True
+
+    # ------------------------------------------------------------------------------------------ queries
+
+    def shards(self) -> list[ShardState]:
+        with self._lock:
+            return [self._shards[k] for k in sorted(self._shards)]
+
+    def cluster_pressure(self) -> float | None:
+        """Raw cluster pressure over the up shards (by ``pressure_mode``); None before any report."""
+        with self._lock:
+            return self._pressure()
+
+    def topology(self) -> dict[str, Any]:
+        """``{"epoch", "shards": [{"id", "endpoint"}], "level", "level_epoch"}`` for clients, ids sorted."""
+        with self._lock:
+            return {
+                "epoch": self._topology_epoch,
+                "shards": [{"id": s.shard_id, "endpoint": s.endpoint} for _, s in sorted(self._shards.items())],
+                "level": self._level.tag,
+                "level_epoch": self._epoch,
+            }
+
+    def history(self) -> list[LevelChange]:
+        with self._lock:
+            return list(self._history)
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """Everything `kvd status` shows about the control plane, as plain data."""
+        with self._lock:
+            self._expire(now)
+            policy = self._policy.snapshot()
+            return {
+                "level": self._level.tag,
+                "level_epoch": self._epoch,
+                "topology_epoch": self._topology_epoch,
+                "pressure": self._pressure(),
+                "smoothed_pressure": policy["pressure"] if policy["samples"] else None,
+                "pressure_mode": self._mode,
+                "samples": self._samples,
+                "upgrades": policy["upgrades"],
+                "downgrades": policy["downgrades"],
+                "used_bytes": sum(s.used_bytes for s in self._shards.values() if s.up),
+                "capacity_bytes": sum(s.capacity_bytes for s in self._shards.values() if s.up),
+                "shards": [
+                    {
+                        "id": s.shard_id,
+                        "endpoint": s.endpoint,
+                        "node": s.node,
+                        "up": s.up,
+                        "level": s.level,
+                        "epoch": s.epoch,
+                        "used_bytes": s.used_bytes,
+                        "capacity_bytes": s.capacity_bytes,
+                        "pressure": s.pressure,
+                        "restarts": s.restarts,
+                        "report_age_s": None if s.last_report_at is None else now - s.last_report_at,
+                    }
+                    for _, s in sorted(self._shards.items())
+                ],
+                "history": [_change_dict(c) for c in self._history],
+            }
+
+    # --------------------------------------------------------------------------------------- internals
+
+    def _bump_topology(self) -> None:
+        self._topology_epoch += 1
+        self._epoch_dirty = True
+
+    def _expire(self, now: float) -> list[str]:
+        gone = []
+        for shard_id, s in self._shards.items():
+            seen = s.last_report_at if s.last_report_at is not None else s.registered_at
+            if s.up and now - seen > self._stale_after_s:
+                self._shards[shard_id] = replace(s, up=False)
+                self._fresh.discard(shard_id)
+                gone.append(shard_id)
+        return gone
+
+    def _up(self) -> list[ShardState]:
+        return [s for s in self._shards.values() if s.up and s.last_report_at is not None and s.capacity_bytes > 0]
+
+    def _pressure(self) -> float | None:
+        up = self._up()
+        if not up:
+            return None
+        if self._mode == "max":
+            return max(s.used_bytes / s.capacity_bytes for s in up)
+        return sum(s.used_bytes for s in up) / sum(s.capacity_bytes for s in up)
+
+    def _warming_up(self, now: float) -> bool:
+        if now - self._started_at >= self._stale_after_s:
+            return False
+        reported = {s.shard_id for s in self._shards.values() if s.last_report_at is not None}
+        return not set(self._expected) <= reported
+
+    def _round_complete(self, now: float) -> bool:
+        up_ids = {s.shard_id for s in self._up()}
+        if not up_ids:
+            return False
+        if up_ids <= self._fresh:
+            return True
+        last = self._last_sample_at if self._last_sample_at is not None else self._started_at
+        return now - last >= _ROUND_TIMEOUT_INTERVALS * self._interval_s
+
+    def _maybe_sample(self, now: float) -> LevelOrder | None:
+        pressure = self._pressure()
+        if pressure is None:
+            return None
+        self._track_crossings(pressure, now)
+        self._raw_pressure = pressure
+        if self._warming_up(now) or not self._round_complete(now):
+            return None
+        self._fresh.clear()
+        self._last_sample_at = now
+        self._samples += 1
+        if self._seed is not None:
+            level = self._policy.observe(self._seeded(pressure, self._seed))
+            self._seed = None
+        else:
+            level = self._policy.observe(pressure)
+        if level == self._level:
+            return None
+        previous, self._level = self._level, level
+        self._epoch += 1
+        self._epoch_dirty = True
+        cfg = self._policy.config
+        threshold = None
+        if level > previous:
+            threshold = cfg.q4_threshold if level is Level.Q4 else cfg.q8_threshold
+        targets = tuple(sorted(s.shard_id for s in self._shards.values() if s.up))
+        self._history.append(
+            LevelChange(
+                epoch=self._epoch,
+                level=level.tag,
+                previous=previous.tag,
+                pressure=pressure,
+                smoothed=self._policy.pressure,
+                decided_at=now,
+                crossed_at=self._crossed_at.get(threshold) if threshold is not None else None,
+                threshold=threshold,
+                pending=targets,
+            )
+        )
+        return LevelOrder(level, self._epoch, targets)
+
+    def _seeded(self, pressure: float, level: Level) -> float:
+        """A first sample that lands the fresh policy on ``level`` (the recovered one), as close to the real
+        pressure as the level's band allows."""
+        cfg = self._policy.config
+        rung = cfg.rungs.index(level) if level in cfg.rungs else 0
+        below_q4 = cfg.q4_threshold - 1e-9
+        below_q8 = cfg.q8_threshold - 1e-9
+        if rung == 2:
+            return max(pressure, cfg.q4_threshold)
+        if rung == 1:
+            return min(max(pressure, cfg.q8_threshold), max(below_q4, cfg.q8_threshold))
+        return min(pressure, max(below_q8, 0.0))
+
+    def _track_crossings(self, pressure: float, now: float) -> None:
+        cfg = self._policy.config
+        for threshold in (cfg.q8_threshold, cfg.q4_threshold):
+            if pressure >= threshold:
+                self._crossed_at.setdefault(threshold, now)
+            else:
+                self._crossed_at.pop(threshold, None)
+        # Relief: after a step up, the first time raw pressure is back below the threshold behind it.
+        for i, change in enumerate(self._history):
+            if change.threshold is not None and change.relieved_at is None and pressure < change.threshold:
+                self._history[i] = replace(change, relieved_at=now)
+
+    def _note_applied(self, shard_id: str, epoch: int, now: float) -> None:
+        for i, change in enumerate(self._history):
+            if change.pending and shard_id in change.pending and epoch >= change.epoch:
+                pending = tuple(s for s in change.pending if s != shard_id)
+                self._history[i] = replace(change, pending=pending, applied_at=now if not pending else None)
+
+    def _level_of_epoch(self, epoch: int, state: ShardState) -> str:
+        if epoch == self._epoch:
+            return self._level.tag
+        for change in self._history:
+            if change.epoch == epoch:
+                return change.level
+        return state.level
+
+
+def _change_dict(change: LevelChange) -> dict[str, Any]:
+    return {name: getattr(change, name) for name in LevelChange.__slots__}
+

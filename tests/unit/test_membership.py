@@ -1,0 +1,330 @@
+"""kvd.membership (pure): topology epochs, cluster pressure, one sample per round, level epochs, recovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.errors import InvalidArgument
+from kvd.membership import Membership, ShardReport
+from kvd.policy import Level, Policy, PolicyConfig
+
+INTERVAL_S = 0.5
+CAP = 1000
+# alpha = 1: the EWMA is the last sample, so each round's level follows from its pressure alone.
+SHARP = PolicyConfig(ewma_alpha=1.0)
+
+
+class Cluster:
+    """A Membership plus a fake clock and fake shards that report exact figures."""
+
+    def __init__(self, n: int = 3, *, config: PolicyConfig = SHARP, mode: str = "sum", **kwargs: object) -> None:
+        self.now = 100.0
+        self.ids = [f"shard-{i}" for i in range(n)]
+        self.m = Membership(
+            Policy(config),
+            now=self.now,
+            report_interval_s=INTERVAL_S,
+            pressure_mode=mode,
+            expected=self.ids,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self.incarnation = {sid: f"{sid}-a" for sid in self.ids}
+        self.endpoint = {sid: f"tcp://127.0.0.1:{6000 + i}" for i, sid in enumerate(self.ids)}
+        self.epoch = {sid: 0 for sid in self.ids}
+        self.level = {sid: "fp16" for sid in self.ids}
+        self.orders: list = []
+
+    def register(self, sid: str) -> None:
+        reg = self.m.register(sid, self.endpoint[sid], incarnation=self.incarnation[sid], now=self.now)
+        self.apply(sid, reg.level, reg.epoch)
+
+    def apply(self, sid: str, level: Level, epoch: int) -> None:
+        if epoch > self.epoch[sid]:  # what Store.set_level does
+            self.epoch[sid], self.level[sid] = epoch, level.tag
+
+    def report(self, sid: str, used: int, cap: int = CAP):
+        outcome = self.m.report(
+            ShardReport(
+                shard_id=sid,
+                incarnation=self.incarnation[sid],
+                endpoint=self.endpoint[sid],
+                used_bytes=used,
+                capacity_bytes=cap,
+                level=self.level[sid],
+                epoch=self.epoch[sid],
+            ),
+            now=self.now,
+        )
+        for order in (outcome.order, outcome.resend):
+            if order is not None:
+                self.orders.append(order)
+                for target in order.targets:
+                    self.apply(target, order.level, order.epoch)
+        return outcome
+
+    def round(self, used: int | dict[str, int], ids: list[str] | None = None) -> None:
+        """Advance one report interval; every listed shard reports."""
+        self.now += INTERVAL_S
+        for sid in ids if ids is not None else self.ids:
+            self.report(sid, used[sid] if isinstance(used, dict) else used)
+
+    def start(self) -> Cluster:
+        for sid in self.ids:
+            self.register(sid)
+        return self
+
+
+# -------------------------------------------------------------------------------------------- topology
+
+
+def test_registration_builds_the_topology_with_increasing_epochs() -> None:
+    c = Cluster(3)
+    c.register("shard-0")
+    t1 = c.m.topology()
+    assert t1["shards"] == [{"id": "shard-0", "endpoint": c.endpoint["shard-0"]}]
+    c.register("shard-1")
+    c.register("shard-2")
+    t2 = c.m.topology()
+    assert t2["epoch"] > t1["epoch"]
+    assert [s["id"] for s in t2["shards"]] == c.ids
+    c.register("shard-1")  # the same process again: nothing changes
+    assert c.m.topology() == t2
+
+
+def test_fresh_cluster_starts_at_epoch_one_with_the_minimum_level() -> None:
+    c = Cluster(2).start()
+    assert (c.m.level, c.m.epoch) == (Level.FP16, 1)
+    assert c.epoch == {"shard-0": 1, "shard-1": 1}  # a new store (epoch 0) applies it
+    aggressive = Cluster(2, config=PolicyConfig.aggressive()).start()
+    assert aggressive.level == {"shard-0": "q8", "shard-1": "q8"}
+    assert aggressive.m.topology()["level"] == "q8" and aggressive.m.topology()["level_epoch"] == 1
+
+
+def test_restarted_shard_gets_a_new_endpoint_a_new_topology_epoch_and_the_current_level() -> None:
+    c = Cluster(2).start()
+    c.round(900)  # 0.90 -> q8 at epoch 2
+    assert c.m.level is Level.Q8
+    before = c.m.topology()["epoch"]
+    c.incarnation["shard-1"] = "shard-1-b"
+    c.endpoint["shard-1"] = "tcp://127.0.0.1:7001"
+    c.epoch["shard-1"], c.level["shard-1"] = 0, "fp16"  # the process came back with an empty store
+    c.register("shard-1")
+    topo = c.m.topology()
+    assert topo["epoch"] == before + 1
+    assert {"id": "shard-1", "endpoint": "tcp://127.0.0.1:7001"} in topo["shards"]
+    assert (c.level["shard-1"], c.epoch["shard-1"]) == ("q8", c.m.epoch)
+    assert [s.restarts for s in c.m.shards()] == [0, 1]
+
+
+def test_report_from_an_unknown_shard_asks_it_to_register() -> None:
+    c = Cluster(1)
+    assert c.report("shard-0", 10).known is False
+    c.register("shard-0")
+    assert c.report("shard-0", 10).known is True
+    c.incarnation["shard-0"] = "other"  # a process the coordinator has not seen register
+    assert c.report("shard-0", 10).known is False
+
+
+def test_silent_shard_is_marked_down_but_stays_in_the_topology() -> None:
+    c = Cluster(3).start()
+    c.round(100)
+    for _ in range(10):
+        c.round(100, ids=["shard-0", "shard-1"])
+    snap = c.m.snapshot(c.now)
+    up = {s["id"]: s["up"] for s in snap["shards"]}
+    assert up == {"shard-0": True, "shard-1": True, "shard-2": False}
+    assert [s["id"] for s in c.m.topology()["shards"]] == c.ids  # routing must not move its sequences
+    c.round(100)  # it reports again: up
+    assert all(s.up for s in c.m.shards())
+
+
+def test_remove_forgets_a_shard_and_bumps_the_topology_epoch() -> None:
+    c = Cluster(2).start()
+    epoch = c.m.topology_epoch
+    assert c.m.remove("shard-1") is True
+    assert c.m.remove("shard-1") is False
+    assert c.m.topology_epoch == epoch + 1
+    assert [s["id"] for s in c.m.topology()["shards"]] == ["shard-0"]
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(InvalidArgument, match="pressure_mode"):
+        Membership(Policy(), now=0.0, report_interval_s=1.0, pressure_mode="mean")
+    with pytest.raises(InvalidArgument, match="report_interval_s"):
+        Membership(Policy(), now=0.0, report_interval_s=0.0)
+    c = Cluster(1)
+    with pytest.raises(InvalidArgument, match="endpoint"):
+        c.m.register("shard-0", "", incarnation="x", now=0.0)
+    ids = dict(shard_id="s", incarnation="i", endpoint="e")
+    with pytest.raises(InvalidArgument, match="used_bytes"):
+        ShardReport(**ids, used_bytes=-1, capacity_bytes=1, level="q8", epoch=0)
+    with pytest.raises(InvalidArgument, match="q3"):
+        ShardReport(**ids, used_bytes=1, capacity_bytes=1, level="q3", epoch=0)
+
+
+# -------------------------------------------------------------------------------------------- pressure
+
+
+def test_sum_mode_weights_by_capacity_and_max_mode_takes_the_fullest_shard() -> None:
+    for mode, expected in (("sum", (900 + 100) / (1000 + 3000)), ("max", 0.9)):
+        c = Cluster(2, mode=mode).start()
+        c.now += INTERVAL_S
+        c.report("shard-0", 900, cap=1000)
+        c.report("shard-1", 100, cap=3000)
+        assert c.m.cluster_pressure() == pytest.approx(expected)
+    # The same figures move the cluster to q8 in max mode only.
+    assert c.m.level is Level.Q8
+
+
+def test_one_policy_sample_per_round_whatever_the_number_of_shards() -> None:
+    for n in (1, 2, 4, 8):
+        c = Cluster(n).start()
+        for _ in range(5):
+            c.round(100)
+        assert c.m.snapshot(c.now)["samples"] == 5, n
+
+
+def test_a_silent_shard_delays_a_round_by_at_most_two_intervals() -> None:
+    c = Cluster(2).start()
+    c.round(100)
+    samples = c.m.snapshot(c.now)["samples"]
+    c.now += INTERVAL_S
+    c.report("shard-0", 100)
+    assert c.m.snapshot(c.now)["samples"] == samples  # waiting for shard-1
+    c.now += INTERVAL_S
+    c.report("shard-0", 100)
+    assert c.m.snapshot(c.now)["samples"] == samples + 1  # the round closed without it
+
+
+def test_no_level_decision_before_every_expected_shard_has_reported() -> None:
+    c = Cluster(3)
+    c.register("shard-0")
+    c.round(990, ids=["shard-0"])
+    assert c.m.level is Level.FP16 and c.orders == []
+    c.register("shard-1")
+    c.register("shard-2")
+    c.round(990)
+    assert c.m.level is Level.Q4
+
+
+def test_warm_up_ends_after_stale_after_even_if_a_shard_never_reports() -> None:
+    c = Cluster(2)
+    c.register("shard-0")
+    for _ in range(int(c.m.stale_after_s / INTERVAL_S) + 1):
+        c.round(990, ids=["shard-0"])
+    assert c.m.level is Level.Q4
+
+
+# ----------------------------------------------------------------------------------------------- levels
+
+
+def test_rising_pressure_moves_every_shard_to_q8_then_q4_with_one_epoch_each() -> None:
+    c = Cluster(3).start()
+    c.round(500)
+    assert c.orders == [] and c.m.level is Level.FP16
+    c.round(850)
+    q8 = c.orders[-1]
+    assert (q8.level, q8.epoch, q8.targets) == (Level.Q8, 2, tuple(c.ids))
+    assert set(c.epoch.values()) == {2} and set(c.level.values()) == {"q8"}
+    c.round(960)
+    q4 = c.orders[-1]
+    assert (q4.level, q4.epoch) == (Level.Q4, 3)
+    assert set(c.epoch.values()) == {3} and set(c.level.values()) == {"q4"}
+    assert c.m.epoch == 3 and c.m.topology()["level"] == "q4"
+
+
+def test_falling_pressure_steps_down_only_past_the_hysteresis_margin() -> None:
+    c = Cluster(2).start()
+    c.round(960)
+    assert c.m.level is Level.Q4
+    c.round(910)  # below 0.95 but inside the 0.05 margin
+    assert c.m.level is Level.Q4
+    c.round(890)  # below 0.90: back to the 8-bit rung
+    assert c.m.level is Level.Q8
+    c.round(760)  # inside the margin of 0.80
+    assert c.m.level is Level.Q8
+    c.round(100)
+    assert c.m.level is Level.FP16
+    epochs = [o.epoch for o in c.orders]
+    assert epochs == sorted(epochs) and len(set(epochs)) == len(epochs)
+    assert c.m.snapshot(c.now)["downgrades"] == 2
+
+
+def test_shard_reporting_an_old_epoch_is_sent_the_current_order() -> None:
+    c = Cluster(2).start()
+    c.round(900)
+    c.epoch["shard-1"], c.level["shard-1"] = 1, "fp16"  # pretend the broadcast to shard-1 was lost
+    c.now += INTERVAL_S
+    outcome = c.report("shard-1", 900)
+    assert outcome.resend is not None
+    assert (outcome.resend.level, outcome.resend.epoch, outcome.resend.targets) == (Level.Q8, 2, ("shard-1",))
+    assert c.report("shard-1", 900).resend is None  # applied: nothing more to send
+
+
+def test_history_records_crossing_decision_application_and_relief() -> None:
+    c = Cluster(2).start()
+    c.round(500)
+    crossed_at = c.now + INTERVAL_S
+    c.round(850)
+    change = c.m.history()[-1]
+    assert change.level == "q8" and change.threshold == pytest.approx(0.80)
+    assert change.crossed_at == crossed_at and change.decided_at == crossed_at
+    # The reports of this round carried the old epoch; the acknowledgements of the broadcast complete it.
+    assert change.applied_at is None and set(change.pending) == set(c.ids)
+    c.now += 0.01
+    for sid in c.ids:
+        c.m.acknowledge(sid, change.epoch, now=c.now)
+    change = c.m.history()[-1]
+    assert change.pending == () and change.applied_at == c.now
+    c.round(780)  # re-compression freed memory: below the threshold, inside the hysteresis band
+    assert c.m.level is Level.Q8
+    assert c.m.history()[-1].relieved_at == c.now
+
+
+def test_take_dirty_reports_state_to_persist_once_per_change() -> None:
+    c = Cluster(2).start()
+    assert c.m.take_dirty() == (Level.FP16, 1, 2)
+    assert c.m.take_dirty() is None
+    c.round(900)
+    assert c.m.take_dirty() == (Level.Q8, 2, 2)
+    assert c.m.take_dirty() is None
+
+
+# --------------------------------------------------------------------------------------------- recovery
+
+
+def test_recovered_coordinator_continues_the_epoch_and_keeps_the_level_inside_its_band() -> None:
+    c = Cluster(2, recovered_epoch=7, recovered_level="q4", recovered_topology_epoch=5)
+    c.epoch = {sid: 7 for sid in c.ids}
+    c.level = {sid: "q4" for sid in c.ids}
+    c.start()
+    assert c.m.epoch == 7 and c.m.topology_epoch > 5
+    c.round(920)  # a fresh policy would say q8 for 0.92; inside q4's hysteresis band the level holds
+    assert c.m.level is Level.Q4 and c.orders == []
+    fresh = Policy(SHARP)
+    assert fresh.observe(0.92) is Level.Q8
+    c.round(500)
+    assert c.orders[-1].epoch == 8 and c.orders[-1].level is Level.FP16
+
+
+def test_a_shard_with_a_newer_epoch_raises_the_floor() -> None:
+    c = Cluster(2)  # persisted state lost: the coordinator thinks the cluster is new (epoch 1)
+    c.start()
+    c.epoch = {sid: 12 for sid in c.ids}
+    c.level = {sid: "q8" for sid in c.ids}
+    c.round(850)
+    assert c.m.epoch == 12 and c.m.level is Level.Q8 and c.orders == []
+    c.round(990)
+    assert c.orders[-1].epoch == 13 and c.orders[-1].level is Level.Q4
+
+
+def test_report_outcome_carries_the_level_and_epoch_in_force_together() -> None:
+    c = Cluster(2).start()
+    c.now += INTERVAL_S
+    c.report("shard-0", 900)
+    outcome = c.report("shard-1", 900)  # completes the round: the decision happens inside this report
+    assert outcome.order is not None
+    assert (outcome.level, outcome.epoch) == (Level.Q8, 2) == (outcome.order.level, outcome.order.epoch)
+    c.incarnation["shard-0"] = "gone"
+    unknown = c.report("shard-0", 900)
+    assert unknown.known is False and unknown.level is None and unknown.epoch is None
