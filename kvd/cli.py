@@ -1,0 +1,612 @@
+"""The ``kvd`` command: ``up``, ``status``, ``bench``, ``down``, ``keygen``, ``config``.
+
+``kvd up`` with no arguments starts an embedded local Ray, a coordinator and two shards, prints the client
+endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--address auto`` joins a running
+Ray cluster instead. Settings: defaults < ``--config`` TOML < ``KVD_*`` environment < flags (kvd.config).
+``kvd status`` and ``kvd bench`` talk to the coordinator's ZeroMQ endpoint like any client; ``kvd down``
+stops a kvd through the process that runs it (embedded) or through Ray (``--address``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvd import __version__
+from kvd.config import (
+    DEFAULT_PORT,
+    Config,
+    default_memory_bytes,
+    describe,
+    format_size,
+    load_config,
+    read_run_file,
+    remove_run_file,
+    write_run_file,
+)
+from kvd.errors import ConfigError, KvdError
+from kvd.policy import Level
+
+__all__ = ["main"]
+
+_EMBEDDED_OBJECT_STORE_BYTES = 128 << 20  # kvd moves no data through Ray's object store
+_STATUS_PERIOD_S = 1.0
+_RAY_PROBE_TIMEOUT_S = 5.0
+_EXIT_OK, _EXIT_ERROR, _EXIT_USAGE = 0, 1, 2
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by SIGTERM / SIGINT. A BaseException, so that no ``except Exception`` on the
+    way (status polling tolerates errors) can swallow it."""
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+# ------------------------------------------------------------------------------------------------- config
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML settings file (default: $KVD_CONFIG if set)")
+    parser.add_argument(
+        "--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
+        help="set any setting, e.g. --set store.page_tokens=32 (repeatable; `kvd config --describe` lists them)",
+    )
+    parser.add_argument("--namespace", help="Ray namespace of the kvd to act on (default: kvd)")
+
+
+_FLAG_SETTINGS = {
+    "ray_address": "cluster.address",
+    "shards": "cluster.shards",
+    "memory": "cluster.memory_bytes",
+    "port": "cluster.port",
+    "host": "cluster.host",
+    "namespace": "cluster.namespace",
+    "metrics_port": "cluster.metrics_port",
+    "report_interval": "cluster.report_interval_s",
+    "pressure_mode": "cluster.pressure_mode",
+    "profile": "policy.profile",
+    "eviction": "store.eviction",
+}
+
+
+def _load(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects SECTION.KEY=VALUE, got {item!r}")
+        overrides[key.strip()] = value
+    for attr, key in _FLAG_SETTINGS.items():
+        if getattr(args, attr, None) is not None:
+            overrides[key] = getattr(args, attr)
+    return load_config(args.config, overrides=overrides)
+
+
+def _live_note(namespace: str) -> dict[str, Any] | None:
+    """The run note of ``namespace`` unless it is stale (a foreground `kvd up` that no longer runs)."""
+    note = read_run_file(namespace)
+    if note is not None and not note.get("detached") and not _alive(int(note.get("pid", 0))):
+        remove_run_file(namespace)
+        return None
+    return note
+
+
+def _default_endpoint(config: Config) -> str:
+    note = _live_note(config.cluster.namespace)
+    if note and note.get("endpoint"):
+        return str(note["endpoint"])
+    return f"tcp://127.0.0.1:{config.cluster.port}"
+
+
+def _curve_client(config: Config) -> Any:
+    if config.curve.server_public_key is None:
+        return None
+    from kvd.server import CurveConfig
+
+    return CurveConfig.for_client(
+        server_public_key_file=config.curve.server_public_key, secret_key_file=config.curve.client_secret_key
+    )
+
+
+# ------------------------------------------------------------------------------------------------ display
+
+
+def _fmt_bytes(n: Any) -> str:
+    return "-" if n is None else format_size(float(n)).replace(" ", "")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _by_level(stats: dict[str, Any]) -> str:
+    parts = [f"{k}:{_fmt_bytes(v)}" for k, v in sorted((stats.get("bytes_by_level") or {}).items()) if v]
+    return " ".join(parts) or "-"
+
+
+def _rate(stats: dict[str, Any]) -> str:
+    for key in ("requests_per_s", "server_requests_per_s"):
+        if isinstance(stats.get(key), (int, float)):
+            return f"{stats[key]:.0f}"
+    return "-"
+
+
+def shard_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
+    """The per-shard table of ``kvd status``: ``shards`` is ``[(shard_id, stats or None if down)]``."""
+    headers = ["shard", "level", "epoch", "pressure", "used", "capacity", "bytes by level", "tokens",
+               "sequences", "evictions", "req/s"]
+    rows = []
+    for sid, s in shards:
+        if s is None:
+            rows.append([sid, "DOWN", *["-"] * (len(headers) - 2)])
+            continue
+        rows.append([
+            sid, s.get("level", "-"), s.get("epoch", "-"), f"{float(s.get('pressure', 0.0)):.3f}",
+            _fmt_bytes(s.get("used_bytes")), _fmt_bytes(s.get("capacity_bytes")), _by_level(s),
+            s.get("tokens", "-"), s.get("sequences", "-"), s.get("evictions", "-"), _rate(s),
+        ])
+    return _table(headers, rows)
+
+
+def _status_line(cluster: dict[str, Any], shards: dict[str, Any]) -> str:
+    up = sum(1 for s in shards.values() if isinstance(s, dict))
+    good = [s for s in shards.values() if isinstance(s, dict)]
+    pressure = cluster.get("pressure")
+    rps = sum(float(s.get("server_requests_per_s") or 0.0) for s in good)
+    return (
+        f"level {cluster['level']} (epoch {cluster['level_epoch']}) | pressure "
+        f"{'-' if pressure is None else f'{pressure:.3f}'} | used {_fmt_bytes(cluster.get('used_bytes'))} of "
+        f"{_fmt_bytes(cluster.get('capacity_bytes'))} | shards {up}/{len(shards)} up | "
+        f"{sum(int(s.get('sequences', 0)) for s in good)} seqs {sum(int(s.get('tokens', 0)) for s in good)} tokens"
+        f" | {rps:.0f} req/s | evictions {sum(int(s.get('evictions', 0)) for s in good)}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+class _Metrics:
+    """Prometheus exporter with the figures of `kvd status`, refreshed by the status loop of `kvd up`."""
+
+    def __init__(self, port: int, host: str) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self._lock = threading.Lock()
+        self._snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def update(self, cluster: dict[str, Any], shards: dict[str, Any]) -> None:
+        with self._lock:
+            self._snapshot = (cluster, shards)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            snap = self._snapshot
+        if snap is None:
+            return
+        cluster, shards = snap
+        rank = {lv.tag: lv.value for lv in Level}
+        g = GaugeMetricFamily
+        yield g("kvd_cluster_pressure", "Cluster pressure (used / capacity, or the fullest shard)",
+                value=cluster.get("pressure") or 0.0)
+        yield g("kvd_cluster_level", "Level in force: 0 fp16, 1 q8, 2 fp8, 3 q4", value=rank[cluster["level"]])
+        yield g("kvd_cluster_level_epoch", "Level epoch", value=cluster["level_epoch"])
+        yield g("kvd_cluster_topology_epoch", "Topology epoch", value=cluster["topology_epoch"])
+        yield CounterMetricFamily("kvd_policy_upgrades", "Changes to a more compact level",
+                                  value=cluster.get("upgrades", 0))
+        yield CounterMetricFamily("kvd_policy_downgrades", "Changes to a less compact level",
+                                  value=cluster.get("downgrades", 0))
+        families: dict[str, Any] = {
+            "up": g("kvd_shard_up", "1 if the shard answered", labels=["shard"]),
+            "level": g("kvd_shard_level", "Level applied: 0 fp16, 1 q8, 2 fp8, 3 q4", labels=["shard"]),
+            "epoch": g("kvd_shard_epoch", "Level epoch applied", labels=["shard"]),
+            "pressure": g("kvd_shard_pressure", "used / capacity", labels=["shard"]),
+            "used_bytes": g("kvd_shard_used_bytes", "Bytes used", labels=["shard"]),
+            "capacity_bytes": g("kvd_shard_capacity_bytes", "Bytes of capacity", labels=["shard"]),
+            "tokens": g("kvd_shard_tokens", "Tokens held", labels=["shard"]),
+            "sequences": g("kvd_shard_sequences", "Sequences held", labels=["shard"]),
+            "evictions": CounterMetricFamily("kvd_shard_evictions", "Sequences evicted", labels=["shard"]),
+            "rps": g("kvd_shard_requests_per_second", "Requests per second", labels=["shard"]),
+        }
+        by_level = g("kvd_shard_level_bytes", "Bytes of pages by page format", labels=["shard", "level"])
+        for sid, s in shards.items():
+            families["up"].add_metric([sid], 1.0 if isinstance(s, dict) else 0.0)
+            if not isinstance(s, dict):
+                continue
+            families["level"].add_metric([sid], rank.get(str(s.get("level")), -1))
+            families["rps"].add_metric([sid], float(s.get("server_requests_per_s") or 0.0))
+            for key in ("epoch", "pressure", "used_bytes", "capacity_bytes", "tokens", "sequences", "evictions"):
+                families[key].add_metric([sid], float(s.get(key, 0)))
+            for level, n in (s.get("bytes_by_level") or {}).items():
+                by_level.add_metric([sid, level], float(n))
+        yield from families.values()
+        yield by_level
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+# -------------------------------------------------------------------------------------------------- verbs
+
+
+def _ray_init(config: Config) -> str:
+    """Connect to (or start) Ray for ``config``; returns the bind host for the actors."""
+    import logging
+
+    import ray
+
+    cluster = config.cluster
+    if cluster.address:
+        _ray_connect(cluster.address, cluster.namespace)
+        return "node" if cluster.host == "auto" else cluster.host
+    cpus = cluster.num_cpus or max(os.cpu_count() or 1, int(-(-cluster.shards * cluster.shard_cpus // 1)), 1)
+    ray.init(address="local", num_cpus=cpus, namespace=cluster.namespace, include_dashboard=False,
+             object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES, logging_level=logging.WARNING, log_to_driver=False)
+    return "127.0.0.1" if cluster.host == "auto" else cluster.host
+
+
+def _ray_connect(address: str, namespace: str) -> None:
+    import logging
+    import socket
+
+    import ray
+
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if sep and port.isdigit():
+        # ray.init retries an unreachable GCS for minutes: find out at once whether anything listens there.
+        try:
+            socket.create_connection((host, int(port)), timeout=_RAY_PROBE_TIMEOUT_S).close()
+        except OSError as exc:
+            raise ConfigError(f"cannot connect to the Ray cluster at {address!r}: {exc}") from None
+    try:
+        ray.init(address=address, namespace=namespace, logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:
+        raise ConfigError(
+            f"cannot connect to the Ray cluster at {address!r}: {str(exc).splitlines()[0]} (is it running? "
+            "a cluster started with token authentication also needs RAY_AUTH_MODE=token here)"
+        ) from None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    config = _load(args)
+    cluster = config.cluster
+    if args.detach and not cluster.address:
+        raise ConfigError("--detach needs --address (an embedded Ray lives only as long as `kvd up`)")
+    import ray
+
+    from kvd.coordinator import deploy, teardown
+
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    deployment = None
+    metrics = None
+    try:
+        host = _ray_init(config)
+        # Ray's core installs a failure-signal handler that dumps a stack on SIGTERM: take the signals back.
+        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGINT, _raise_stop)
+        where = f"Ray cluster {cluster.address}" if cluster.address else "an embedded Ray"
+        _say(f"kvd {__version__}: starting {cluster.shards} shards x {_fmt_bytes(config.shard_capacity_bytes)} "
+             f"on {where} (namespace {cluster.namespace!r}) ...")
+        deployment = deploy(config, host=host)
+        write_run_file(cluster.namespace, {
+            "pid": os.getpid(), "endpoint": deployment.endpoint, "detached": bool(args.detach),
+            "ray_address": ray.get_runtime_context().gcs_address, "namespace": cluster.namespace,
+        })
+        print(f"kvd endpoint: {deployment.endpoint}", flush=True)
+        if cluster.metrics_port:
+            metrics = _Metrics(cluster.metrics_port, "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+            _say(f"metrics: http://{'127.0.0.1' if host == '127.0.0.1' else host}:{cluster.metrics_port}/metrics")
+        if args.detach:
+            _say(f"detached; stop it with `kvd down --address {cluster.address}`")
+            return _EXIT_OK
+        _say("Ctrl-C stops kvd")
+        _watch(deployment, metrics, live=sys.stdout.isatty() and not args.quiet, quiet=args.quiet)
+        return _EXIT_OK
+    except _Stop as stop:
+        _say(f"\nkvd: {stop}: stopping")
+        return _EXIT_OK
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the teardown
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if metrics is not None:
+            metrics.close()
+        if ray.is_initialized():
+            if not args.detach:
+                if deployment is not None:
+                    stopped = teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
+                    _say(f"kvd: stopped {stopped} actors")
+                remove_run_file(cluster.namespace, pid=os.getpid())
+            ray.shutdown()
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _watch(deployment: Any, metrics: _Metrics | None, *, live: bool, quiet: bool) -> None:
+    """Refresh the status line (and metrics) every second until the coordinator is gone (kvd down)."""
+    import ray
+
+    last_level = None
+    while True:
+        try:
+            cluster = deployment.status()
+        except ray.exceptions.ActorDiedError:
+            _say("\nkvd: the coordinator was stopped (kvd down); exiting")
+            return
+        except Exception as exc:  # noqa: BLE001 - restarting coordinator: keep watching
+            if live:
+                print(f"\r\x1b[Kcoordinator not answering: {type(exc).__name__}", end="", flush=True)
+            time.sleep(_STATUS_PERIOD_S)
+            continue
+        shards = deployment.shard_stats()
+        if metrics is not None:
+            metrics.update(cluster, shards)
+        line = _status_line(cluster, shards)
+        if live:
+            print(f"\r\x1b[K{line}", end="", flush=True)
+        elif not quiet and (cluster["level"], cluster["level_epoch"]) != last_level:
+            print(line, flush=True)
+        last_level = (cluster["level"], cluster["level_epoch"])
+        time.sleep(_STATUS_PERIOD_S)  # the refresh period of a display, not a wait for a condition
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    config = _load(args)
+    endpoint = args.address or _default_endpoint(config)
+    from kvd.client import Client
+
+    with Client(endpoint, timeout_s=args.timeout, curve=_curve_client(config)) as client:
+        topology = client.topology() if hasattr(client, "topology") else None
+        stats = client.shard_stats()
+    rows = []
+    for i, s in enumerate(stats):
+        sid = (s or {}).get("shard_id") or (topology["shards"][i]["id"] if topology else f"shard-{i}")
+        rows.append((str(sid), s if isinstance(s, dict) and "used_bytes" in s else None))
+    if args.json:
+        doc = {"endpoint": endpoint, "topology": topology, "shards": dict(rows)}
+        print(json.dumps(doc, indent=2, default=str))
+        return _EXIT_OK
+    head = f"kvd at {endpoint}"
+    if topology:
+        head += (f": level {topology.get('level')} (epoch {topology.get('level_epoch')}), "
+                 f"topology epoch {topology.get('epoch')}")
+    good = [s for _, s in rows if s]
+    if good:
+        used, cap = sum(s["used_bytes"] for s in good), sum(s["capacity_bytes"] for s in good)
+        head += f", pressure {used / cap:.3f} ({_fmt_bytes(used)} of {_fmt_bytes(cap)})"
+    print(head)
+    print(shard_table(rows))
+    return _EXIT_OK if len(good) == len(rows) else _EXIT_ERROR
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    config = _load(args)
+    ns = config.cluster.namespace
+    note = _live_note(ns)
+    if not config.cluster.address and note and not note.get("detached"):
+        pid = int(note["pid"])
+        os.kill(pid, signal.SIGTERM)  # the foreground `kvd up` owns the embedded Ray: let it tear down
+        deadline = time.monotonic() + args.timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            _say(f"kvd down: `kvd up` (pid {pid}) did not exit within {args.timeout:.0f} s")
+            return _EXIT_ERROR
+        _say(f"kvd down: stopped the kvd of pid {pid} (namespace {ns!r})")
+        return _EXIT_OK
+    address = config.cluster.address or (note or {}).get("ray_address")
+    if not address:
+        _say(f"kvd down: no kvd found in namespace {ns!r} on this machine (use --address for a Ray cluster)")
+        return _EXIT_ERROR
+    import ray
+
+    from kvd.coordinator import teardown
+
+    _ray_connect(str(address), ns)
+    try:
+        stopped = teardown(ns, timeout_s=config.cluster.ray_timeout_s)
+    finally:
+        ray.shutdown()
+    remove_run_file(ns)
+    _say(f"kvd down: stopped {stopped} actors in namespace {ns!r}" if stopped else f"kvd down: nothing in {ns!r}")
+    return _EXIT_OK if stopped else _EXIT_ERROR
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:  # Linux: the state follows the parenthesised name
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    os.makedirs(args.dir, mode=0o700, exist_ok=True)
+    for name in args.name:
+        public, secret = zmq.auth.create_certificates(args.dir, name)
+        os.chmod(secret, 0o600)
+        print(f"{name}: public {public}  secret {secret}")
+    print("\nconfigure (kvd.toml):\n[curve]")
+    print(f'server_secret_key = "{os.path.join(args.dir, "server.key_secret")}"  # servers')
+    print(f'server_public_key = "{os.path.join(args.dir, "server.key")}"  # clients')
+    print(f'client_secret_key = "{os.path.join(args.dir, "client.key_secret")}"  # clients')
+    print("# authorized_keys = \"DIR\"  # a directory holding only the allowed clients' *.key files")
+    return _EXIT_OK
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.describe:
+        print(describe())
+        return _EXIT_OK
+    config = _load(args)
+    for section, table in config.to_dict().items():
+        print(f"[{section}]")
+        for key, value in table.items():
+            if value is not None:
+                print(f"{key} = {json.dumps(value)}")
+        print()
+    return _EXIT_OK
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvd.loadgen import LAYOUTS, print_report, run_load
+
+    config = _load(args)
+    endpoint = args.address or _default_endpoint(config)
+    layout = LAYOUTS[args.layout]
+    result = run_load(endpoint, clients=args.clients, seconds=args.seconds, layout=layout,
+                      prefill_tokens=args.prefill_tokens, decode_steps=args.decode_steps,
+                      curve=_curve_client(config), progress=not args.quiet)
+    print_report(result)
+    return _EXIT_OK if result["errors"] == 0 else _EXIT_ERROR
+
+
+# ------------------------------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    memory = format_size(default_memory_bytes())
+    parser = argparse.ArgumentParser(
+        prog="kvd",
+        description="kvd: a distributed cache for the attention KV cache of LLM inference.",
+        epilog="Start with `kvd up`; `kvd VERB --help` explains each verb.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+
+    up = verbs.add_parser(
+        "up", help="start kvd (embedded Ray by default) and show its status",
+        description="Start a coordinator and shards, print the client endpoint and a live status line; Ctrl-C "
+        "or SIGTERM stops everything. With no arguments: an embedded local Ray, 2 shards sharing "
+        f"--memory (default 25% of this machine's memory, at most 8 GiB: here {memory}), client "
+        f"endpoint tcp://127.0.0.1:{DEFAULT_PORT}.",
+    )
+    _common(up)
+    up.add_argument("--address", dest="ray_address", metavar="RAY",
+                    help='join a Ray cluster instead: "auto" (started with `ray start`/`ray up` on this machine) '
+                    'or "ray://head:10001"; shards are spread over its nodes')
+    up.add_argument("--shards", type=int, help="number of shards (default 2)")
+    up.add_argument("--memory", help=f"total KV memory over all shards, e.g. 8GiB (default here: {memory})")
+    up.add_argument("--port", type=int, help=f"coordinator's client port (default {DEFAULT_PORT}; 0 = any)")
+    up.add_argument("--host", help='bind address (default "auto": 127.0.0.1 embedded, the node IP on a cluster)')
+    up.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0 = off)")
+    up.add_argument("--report-interval", type=float, help="seconds between shard reports (default 0.5)")
+    up.add_argument("--pressure-mode", choices=["sum", "max"], help="cluster pressure: total or fullest shard")
+    up.add_argument("--profile", choices=["default", "fp16_only", "aggressive"], help="policy profile")
+    up.add_argument("--eviction", choices=["lru", "none"], help="when full: evict LRU sequences or refuse")
+    up.add_argument("--detach", action="store_true",
+                    help="with --address: leave kvd running on the cluster and exit (stop it with `kvd down`)")
+    up.add_argument("--quiet", action="store_true", help="no status output (only the endpoint line)")
+    up.set_defaults(func=cmd_up)
+
+    status = verbs.add_parser(
+        "status", help="per-shard table: level, epoch, pressure, bytes per level, tokens, ...",
+        description="Ask a running kvd for every shard's figures. Exit status 1 if a shard does not answer.",
+    )
+    _common(status)
+    status.add_argument("--address", metavar="ENDPOINT",
+                        help=f"coordinator endpoint (default: the local `kvd up`, else tcp://127.0.0.1:{DEFAULT_PORT})")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds per request (default 5)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.set_defaults(func=cmd_status)
+
+    bench = verbs.add_parser(
+        "bench", help="drive load against a running kvd: throughput and latency",
+        description="Client processes append a prefill chunk, then decode steps (one token, all layers), read "
+        "the sequence back and drop it, for --seconds; prints GB/s (fp16 bytes), requests/s, p50 and p99.",
+    )
+    _common(bench)
+    bench.add_argument("--address", metavar="ENDPOINT", help="coordinator endpoint (default as for status)")
+    bench.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
+    bench.add_argument("--seconds", type=float, default=10.0, help="duration (default 10)")
+    bench.add_argument("--layout", choices=["7b", "small"], default="7b",
+                       help="7b: 32 layers x 8 KV heads x 128 (default); small: 4 x 2 x 64")
+    bench.add_argument("--prefill-tokens", type=int, default=512, help="tokens per prefill append (default 512)")
+    bench.add_argument("--decode-steps", type=int, default=32, help="one-token appends per sequence (default 32)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.set_defaults(func=cmd_bench)
+
+    down = verbs.add_parser(
+        "down", help="stop a running kvd",
+        description="Stop the kvd of --namespace: the local `kvd up` process (embedded Ray), or the detached "
+        "actors on the Ray cluster given by --address.",
+    )
+    _common(down)
+    down.add_argument("--address", dest="ray_address", metavar="RAY", help='Ray cluster ("auto", "ray://...")')
+    down.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to stop (default 30)")
+    down.set_defaults(func=cmd_down)
+
+    keygen = verbs.add_parser(
+        "keygen", help="write CURVE key pairs for encrypted, authenticated ZeroMQ",
+        description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) into DIR for each --name.",
+    )
+    keygen.add_argument("dir", metavar="DIR", help="directory to write the keys to (created if missing)")
+    keygen.add_argument("--name", action="append", default=None, help="key pair names (default: server, client)")
+    keygen.set_defaults(func=cmd_keygen)
+
+    cfg = verbs.add_parser("config", help="print the effective settings (or --describe all of them)",
+                           description="Print the settings after defaults, --config, KVD_* and --set.")
+    _common(cfg)
+    cfg.add_argument("--describe", action="store_true", help="list every setting, its default and env variable")
+    cfg.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return _EXIT_USAGE
+    if args.verb == "keygen" and not args.name:
+        args.name = ["server", "client"]
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvd {args.verb}: configuration error: {exc}", file=sys.stderr)
+        return _EXIT_USAGE
+    except KvdError as exc:
+        print(f"kvd {args.verb}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return _EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

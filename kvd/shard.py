@@ -1,0 +1,206 @@
+"""A shard: a thin Ray actor around one :class:`~kvd.store.Store` and its ZeroMQ :class:`~kvd.server.ShardServer`.
+
+Theory of operation
+-------------------
+On start the shard builds an empty Store of ``config.shard_capacity_bytes``, binds its ZeroMQ endpoint (on
+127.0.0.1 for an embedded Ray, the node's IP on a cluster; always a fresh port, so requests a client queued for
+a dead process are never delivered to its empty successor) and starts one *reporter* thread. The reporter finds
+the coordinator by name (retrying with backoff), registers (shard id, endpoint, a fresh incarnation id) and
+then reports ``used_bytes`` / ``capacity_bytes`` and the applied level and epoch every
+``config.cluster.report_interval_s``. Every reply carries the current level and epoch, which the shard applies
+(``Store.set_level`` ignores older epochs), so a shard converges even if it misses a broadcast; a reply saying
+"unknown" (the coordinator restarted) makes it register again.
+
+Ray restarts a dead shard (``max_restarts=-1``) with the same shard id: it comes back empty, on a new port,
+registers again and takes the current level; the coordinator publishes the new endpoint in the topology.
+``cluster.shard_ports`` confines the ports to a range (for firewalls); a port is then picked at random in it.
+
+Data never passes through this actor's Ray methods: clients talk to the ShardServer directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from kvd.config import Config
+from kvd.errors import ConfigError
+
+__all__ = ["Shard"]
+
+log = logging.getLogger("kvd.shard")
+
+_BACKOFF_MIN_S = 0.05
+_BACKOFF_MAX_S = 2.0
+
+
+def _candidate_ports(port_range: tuple[int, int] | None) -> list[int]:
+    """0 (any free port), or every port of the range in random order (so shards spread over it)."""
+    if port_range is None:
+        return [0]
+    ports = list(range(port_range[0], port_range[1] + 1))
+    random.shuffle(ports)
+    return ports
+
+
+class Shard:
+    """One shard. ``shard_id``: its stable id (``shard-0`` ...); ``host``: bind address or ``"node"``.
+
+    Ray methods: :meth:`set_level` (from the coordinator's broadcast), :meth:`stats`, :meth:`info`,
+    :meth:`ping`, :meth:`stop`.
+    """
+
+    def __init__(self, shard_id: str, config: Config, *, host: str) -> None:
+        from kvd.coordinator import curve_server_config, resolve_host
+        from kvd.server import ShardServer
+        from kvd.store import Store
+
+        self._shard_id = shard_id
+        self._config = config
+        self._incarnation = uuid.uuid4().hex
+        self._started_at = time.time()
+        self._store = Store(config.shard_capacity_bytes, **config.store_kwargs())
+        bind_host = resolve_host(host)
+        curve = curve_server_config(config)
+        last_exc: Exception | None = None
+        for port in _candidate_ports(config.cluster.shard_port_range):
+            server = ShardServer(
+                self._store,
+                shard_id=shard_id,
+                host=bind_host,
+                port=port,
+                curve=curve,
+                compact_budget_bytes=config.store.compact_budget_bytes,
+            )
+            try:
+                self._endpoint = server.start()
+            except Exception as exc:  # noqa: BLE001 - port taken: try the next one of the range
+                last_exc = exc
+                continue
+            self._server = server
+            break
+        else:
+            raise ConfigError(
+                f"shard {shard_id} found no free port in cluster.shard_ports={config.cluster.shard_ports!r} "
+                f"on {bind_host}: {last_exc}"
+            )
+        self._node = socket.gethostname()
+        self._stopped = threading.Event()
+        self._registered = threading.Event()
+        self._coordinator: Any = None
+        self._reports = 0
+        self._report_errors = 0
+        self._last_error = ""
+        self._reporter = threading.Thread(target=self._report_loop, name=f"kvd-report-{shard_id}", daemon=True)
+        self._reporter.start()
+        log.info("shard %s serving on %s", shard_id, self._endpoint)
+
+    # ------------------------------------------------------------------------------------------ Ray methods
+
+    def set_level(self, level: str, epoch: int) -> int:
+        """Apply a level order (older epochs are ignored by the store). Returns the epoch now in force."""
+        self._store.set_level(level, epoch)
+        return int(self._store.stats()["epoch"])
+
+    def stats(self) -> dict[str, Any]:
+        """The store's stats plus the server's metrics (``server_*``) and this shard's identity."""
+        out = dict(self._store.stats())
+        try:
+            for key, value in self._server.metrics().items():
+                out[f"server_{key}"] = value
+        except Exception as exc:  # noqa: BLE001 - status must not fail because of metrics
+            out["server_error"] = str(exc)
+        out.update(self.info())
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "shard_id": self._shard_id,
+            "endpoint": self._endpoint,
+            "incarnation": self._incarnation,
+            "pid": os.getpid(),
+            "node": self._node,
+            "registered": self._registered.is_set(),
+            "reports": self._reports,
+            "report_errors": self._report_errors,
+            "last_report_error": self._last_error,
+            "uptime_s": time.time() - self._started_at,
+        }
+
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def ping(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        """Stop reporting and serving (before the actor is killed); the store's data is dropped with it."""
+        self._stopped.set()
+        self._server.stop(timeout_s=2.0)
+
+    # ------------------------------------------------------------------------------------------ reporter
+
+    def _apply(self, reply: dict[str, Any]) -> None:
+        self._store.set_level(reply["level"], int(reply["epoch"]))
+
+    def _report_loop(self) -> None:
+        import ray
+
+        from kvd.coordinator import coordinator_name
+
+        cluster = self._config.cluster
+        timeout_s = cluster.ray_timeout_s
+        backoff_s = _BACKOFF_MIN_S
+        wait_s = 0.0
+        while not self._stopped.wait(wait_s):
+            try:
+                if self._coordinator is None:
+                    self._coordinator = ray.get_actor(coordinator_name(), namespace=cluster.namespace)
+                if not self._registered.is_set():
+                    reply = ray.get(
+                        self._coordinator.register.remote(
+                            self._shard_id, self._endpoint, self._incarnation, self._node
+                        ),
+                        timeout=timeout_s,
+                    )
+                    self._apply(reply)
+                    self._registered.set()
+                stats = self._store.stats()
+                reply = ray.get(
+                    self._coordinator.report.remote(
+                        {
+                            "shard_id": self._shard_id,
+                            "incarnation": self._incarnation,
+                            "endpoint": self._endpoint,
+                            "used_bytes": int(stats["used_bytes"]),
+                            "capacity_bytes": int(stats["capacity_bytes"]),
+                            "level": str(stats["level"]),
+                            "epoch": int(stats["epoch"]),
+                            "node": self._node,
+                        }
+                    ),
+                    timeout=timeout_s,
+                )
+                self._reports += 1
+                if not reply["known"]:
+                    self._registered.clear()  # the coordinator restarted: register at once
+                    wait_s = 0.0
+                    continue
+                self._apply(reply)
+                backoff_s = _BACKOFF_MIN_S
+                wait_s = cluster.report_interval_s
+            except Exception as exc:  # noqa: BLE001 - coordinator missing, restarting or slow: retry
+                self._report_errors += 1
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                self._coordinator = None
+                self._registered.clear()
+                wait_s = backoff_s
+                backoff_s = min(_BACKOFF_MAX_S, backoff_s * 2)
+                if self._report_errors in (1, 10) or self._report_errors % 100 == 0:
+                    log.warning("shard %s cannot reach the coordinator: %s", self._shard_id, self._last_error)

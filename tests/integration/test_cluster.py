@@ -1,0 +1,300 @@
+"""The Ray cluster end to end: real Ray actors, real shard processes, real ZeroMQ sockets on 127.0.0.1.
+
+One local Ray (2 CPUs) per module; each test deploys its own kvd in its own Ray namespace (coordinator plus
+shards, port 0) and tears it down. Levels are driven by real memory pressure: small stores (1 MiB per shard),
+a small layout (pages of 16 tokens, 16 KiB at fp16) and a 0.1 s report interval keep it fast. The policy runs
+with ``ewma_alpha = 1`` (each report round decides on its own) and a hysteresis of 0.5, wide enough that the
+memory re-compression frees after a rise does not by itself step the level back down.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+
+from kvd.client import Client
+from kvd.config import Config, load_config
+from kvd.coordinator import Deployment, deploy, teardown, wait_until
+from kvd.errors import Conflict, KvdError, OutOfMemory, UnknownNamespace, UnknownSequence
+from kvd.protocol import owner
+
+pytestmark = pytest.mark.integration
+
+LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
+NS = "model"
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    # address="local": a new instance even if `ray start` left a cluster address on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=96 << 20,
+             logging_level=logging.WARNING, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def make_config(shards: int, **extra: Any) -> Config:
+    overrides = {
+        "cluster.namespace": f"kvd-test-{os.getpid()}-{next(_names)}",
+        "cluster.port": 0,
+        "cluster.shards": shards,
+        "cluster.memory_bytes": f"{shards}MiB",
+        "cluster.shard_cpus": 0,
+        "cluster.report_interval_s": 0.1,
+        "cluster.ray_timeout_s": 10.0,
+        "store.page_tokens": PAGE,
+        "store.sink_tokens": 0,
+        "store.window_tokens": 0,
+        "store.eviction": "none",
+        "policy.ewma_alpha": 1.0,
+        "policy.hysteresis": 0.5,
+        **extra,
+    }
+    return load_config(env={}, overrides=overrides)
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> Iterator[Deployment]:
+    shards = getattr(request, "param", 3)
+    config = make_config(shards)
+    deployment = deploy(config, ready_timeout_s=60)
+    yield deployment
+    teardown(config.cluster.namespace, timeout_s=10)
+
+
+def chunk(tokens: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((LAYERS, tokens, HEADS, DIM), dtype=np.float32).astype(np.float16)
+
+
+def connect(deployment: Deployment, timeout_s: float = 5.0) -> Client:
+    client = Client(deployment.endpoint, timeout_s=timeout_s)
+    client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+    return client
+
+
+def shard_ids(deployment: Deployment) -> list[str]:
+    return sorted(deployment.status()["shards"][i]["id"] for i in range(len(deployment.shards)))
+
+
+def all_stats(client: Client) -> list[dict[str, Any]]:
+    return [s for s in client.shard_stats() if isinstance(s, dict)]
+
+
+def pressure(client: Client) -> float:
+    stats = all_stats(client)
+    return sum(s["used_bytes"] for s in stats) / sum(s["capacity_bytes"] for s in stats)
+
+
+def fill(client: Client, prefix: str, target: float, *, timeout_s: float = 60.0) -> list[str]:
+    """Append one-page sequences until raw cluster pressure reaches ``target``; returns the stored seq ids."""
+    data = chunk(PAGE, 1)
+    stored: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    for i in itertools.count():
+        if i % 4 == 0 and pressure(client) >= target:
+            return stored
+        assert time.monotonic() < deadline, f"pressure stuck at {pressure(client):.3f} below {target}"
+        try:
+            client.append(NS, f"{prefix}-{i}", data, data)
+            stored.append(f"{prefix}-{i}")
+        except OutOfMemory:
+            pass  # that shard is full; sequences hashed to the others keep filling them
+    raise AssertionError("unreachable")
+
+
+def levels_converged(client: Client, level: str) -> tuple[bool, set[int]]:
+    stats = all_stats(client)
+    epochs = {s["epoch"] for s in stats}
+    return all(s["level"] == level for s in stats) and len(epochs) == 1, epochs
+
+
+# -------------------------------------------------------------------------------------------------- levels
+
+
+@pytest.mark.timeout(120)
+def test_sequences_spread_and_pressure_moves_every_shard_to_q8_then_q4_and_back(cluster: Deployment) -> None:
+    with connect(cluster) as client:
+        ids = shard_ids(cluster)
+        assert len(ids) == 3
+
+        # Fill to just past 0.80 at fp16: every shard moves to q8 under one epoch.
+        stored = fill(client, "a", 0.82)
+        owners = {ids[owner(ids, NS, s)] for s in stored}
+        assert owners == set(ids)  # the client spread sequences over every shard
+        assert {s["sequences"] for s in all_stats(client)} != {0}
+        wait_until(lambda: levels_converged(client, "q8")[0], timeout_s=30, what="every shard at q8")
+        (q8_epoch,) = levels_converged(client, "q8")[1]
+        assert cluster.status()["level_epoch"] == q8_epoch
+
+        # Re-compression frees memory: every cold fp16 page is re-encoded at 8 bits.
+        wait_until(lambda: all(s["compaction_backlog_bytes"] == 0 for s in all_stats(client)), timeout_s=30,
+                   what="q8 re-compression")
+        after_q8 = pressure(client)
+        assert after_q8 < 0.6, after_q8
+        assert all(set(s["bytes_by_level"]) == {"q8"} for s in all_stats(client))
+
+        # Fill again past 0.95: q4 everywhere, a newer epoch, and used bytes fall again.
+        fill(client, "b", 0.96)
+        wait_until(lambda: levels_converged(client, "q4")[0], timeout_s=30, what="every shard at q4")
+        (q4_epoch,) = levels_converged(client, "q4")[1]
+        assert q4_epoch > q8_epoch
+        wait_until(lambda: all(s["compaction_backlog_bytes"] == 0 for s in all_stats(client)), timeout_s=30,
+                   what="q4 re-compression")
+        after_q4 = pressure(client)
+        assert after_q4 < 0.8, after_q4
+
+        # Pressure now sits below 0.95 but inside the hysteresis band (above 0.45): the level holds.
+        assert 0.45 < after_q4 < 0.95
+        samples = cluster.status()["samples"]
+        wait_until(lambda: cluster.status()["samples"] >= samples + 5, timeout_s=30, what="five more samples")
+        assert levels_converged(client, "q4") == (True, {q4_epoch})
+
+        # Drop everything: pressure falls below the band and the level steps down (through the 8-bit rung if
+        # a report round catches pressure inside its margin on the way), each step with a newer epoch.
+        for seq in [*stored, *[f"b-{i}" for i in range(5000)]]:
+            client.drop(NS, seq)
+        assert pressure(client) < 0.30
+        wait_until(lambda: levels_converged(client, "fp16")[0], timeout_s=30, what="every shard back at fp16")
+        (fp16_epoch,) = levels_converged(client, "fp16")[1]
+        assert fp16_epoch > q4_epoch
+        changes = cluster.status()["history"]
+        assert [(c["level"], c["epoch"]) for c in changes[:2]] == [("q8", q8_epoch), ("q4", q4_epoch)], changes
+        down = changes[2:]
+        assert [c["epoch"] for c in down] == list(range(q4_epoch + 1, fp16_epoch + 1)), changes
+        assert down[-1]["level"] == "fp16" and all(c["level"] in ("q8", "fp16") for c in down), changes
+        assert all(c["pressure"] < 0.45 for c in down), changes  # never a step down inside q4's band
+
+
+# ------------------------------------------------------------------------------------------------ failures
+
+
+def _shard_pid(deployment: Deployment, shard_id: str) -> int:
+    return int(ray.get(deployment.shards[shard_id].info.remote(), timeout=10)["pid"])
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_of_a_shard_during_appends(cluster: Deployment) -> None:
+    ids = shard_ids(cluster)
+    victim = ids[1]
+    seqs = [f"s{i}" for i in range(24)]
+    home = {s: ids[owner(ids, NS, s)] for s in seqs}
+    assert victim in home.values() and len(set(home.values())) == 3
+    step = chunk(1, 2)
+    with connect(cluster, timeout_s=2.0) as client:
+        lengths = dict.fromkeys(seqs, 0)
+        for s in seqs:
+            lengths[s] = client.append(NS, s, chunk(PAGE, 3), chunk(PAGE, 3))
+        errors: dict[str, list[BaseException]] = {s: [] for s in seqs}
+        killed = threading.Event()
+        stop = threading.Event()
+
+        def appender() -> None:
+            while not stop.is_set():
+                for s in seqs:
+                    if errors[s]:
+                        continue  # a sequence that failed once stays failed: its data is gone
+                    try:
+                        lengths[s] = client.append(NS, s, step, step)
+                    except BaseException as exc:  # noqa: BLE001 - recorded and checked below
+                        errors[s].append(exc)
+
+        thread = threading.Thread(target=appender, daemon=True)
+        thread.start()
+        wait_until(lambda: min(lengths.values()) >= PAGE + 3, timeout_s=20, what="appends under way")
+        pid = _shard_pid(cluster, victim)
+        os.kill(pid, signal.SIGKILL)
+        killed.set()
+        # Ray restarts the shard: new process, registered again under the same id.
+        wait_until(lambda: _shard_pid(cluster, victim) != pid, timeout_s=60, what="shard restart")
+        wait_until(lambda: ray.get(cluster.shards[victim].info.remote(), timeout=10)["registered"],
+                   timeout_s=30, what="restarted shard registered")
+        wait_until(lambda: all(errors[s] for s in seqs if home[s] == victim), timeout_s=30,
+                   what="every sequence of the dead shard to fail")
+        stop.set()
+        thread.join(timeout=30)
+
+        for s in seqs:
+            if home[s] == victim:
+                # A clear kvd error, not a hang or a stray exception.
+                assert errors[s] and all(isinstance(e, KvdError) for e in errors[s]), (s, errors[s])
+            else:
+                assert errors[s] == [], (s, errors[s])  # other shards never noticed
+        # The others' data is intact. The victim came back empty: it does not even know the namespace until a
+        # client registers it again, and then its old sequences are missing; an append that states where it
+        # expects the sequence to be (offset) is refused instead of silently starting a new sequence.
+        for s in seqs:
+            if home[s] != victim:
+                assert client.length(NS, s) == lengths[s]
+                keys, values = client.get(NS, s)
+                assert keys.shape == (LAYERS, lengths[s], HEADS, DIM)
+                np.testing.assert_array_equal(keys[:, PAGE:], np.repeat(step, lengths[s] - PAGE, axis=1))
+        lost = [s for s in seqs if home[s] == victim]
+        with pytest.raises(UnknownNamespace):
+            client.length(NS, lost[0])
+        client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+        for s in lost:
+            with pytest.raises(UnknownSequence):
+                client.length(NS, s)
+            with pytest.raises(UnknownSequence):
+                client.get(NS, s)
+            with pytest.raises(Conflict):
+                client.append(NS, s, step, step, offset=lengths[s])
+        # The restarted shard serves new sequences.
+        fresh = next(f"new{i}" for i in itertools.count() if ids[owner(ids, NS, f"new{i}")] == victim)
+        assert client.append(NS, fresh, chunk(PAGE, 4), chunk(PAGE, 5)) == PAGE
+        keys, values = client.get(NS, fresh)
+        np.testing.assert_array_equal(keys, chunk(PAGE, 4))
+        np.testing.assert_array_equal(values, chunk(PAGE, 5))
+        victim_stats = next(s for s in all_stats(client) if s["shard_id"] == victim)
+        assert victim_stats["sequences"] == 1  # only the new one: it came back empty
+        assert (victim_stats["level"], victim_stats["epoch"]) == (cluster.status()["level"],
+                                                                  cluster.status()["level_epoch"])
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_killed_data_keeps_flowing_and_levels_resume_with_a_newer_epoch(
+    cluster: Deployment,
+) -> None:
+    with connect(cluster) as client:
+        fill(client, "a", 0.82)
+        wait_until(lambda: levels_converged(client, "q8")[0], timeout_s=30, what="every shard at q8")
+        (q8_epoch,) = levels_converged(client, "q8")[1]
+        wait_until(lambda: all(s["compaction_backlog_bytes"] == 0 for s in all_stats(client)), timeout_s=30,
+                   what="q8 re-compression")
+        endpoint = cluster.endpoint
+        pid = int(ray.get(cluster.coordinator.pid.remote(), timeout=10))
+        os.kill(pid, signal.SIGKILL)
+
+        # Data keeps flowing while the coordinator is down or restarting: the client talks to shards.
+        data = chunk(PAGE, 6)
+        for i in range(30):
+            assert client.append(NS, f"during-{i}", data, data) == PAGE
+            np.testing.assert_array_equal(client.get(NS, f"during-{i}")[0].shape, data.shape)
+
+        wait_until(lambda: int(ray.get(cluster.coordinator.pid.remote(), timeout=5)) != pid, timeout_s=60,
+                   what="coordinator restart")
+        status = cluster.status()
+        assert status["restarted"] and status["endpoint"] == endpoint  # same address for clients
+        assert status["level_epoch"] >= q8_epoch and status["level"] == "q8"
+        wait_until(lambda: sum(s["up"] for s in cluster.status()["shards"]) == 3, timeout_s=30,
+                   what="shards re-registered")
+        with Client(endpoint, timeout_s=5.0) as fresh_client:  # a new client finds the topology there
+            assert len(all_stats(fresh_client)) == 3
+
+        # Level control resumes: crossing 0.95 moves every shard to q4 with an epoch newer than before.
+        fill(client, "b", 0.96)
+        wait_until(lambda: levels_converged(client, "q4")[0], timeout_s=30, what="every shard at q4")
+        (q4_epoch,) = levels_converged(client, "q4")[1]
+        assert q4_epoch > q8_epoch
