@@ -38,14 +38,10 @@ makes glibc recycle them (:func:`tune_malloc`) instead of paying a page fault pe
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -57,19 +53,27 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvd import __version__, pages
 from kvd import protocol as p
+from kvd.curve import ZAP_DOMAIN, AllowList, CurveConfig, keygen
 from kvd.errors import Busy, ConfigError, Conflict, KvdError, MessageTooLarge, ProtocolError, UnknownSequence
+from kvd.netopts import (
+    COPY_THRESHOLD_BYTES,
+    DEFAULT_HEARTBEAT_IVL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    recv_frames,
+    send_frames,
+    tune_malloc,
+)
 from kvd.store import Store
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CurveConfig", "ShardServer", "TopologyServer", "keygen", "tune_malloc"]
+# CurveConfig, keygen, tune_malloc and the frame helpers live in kvd.curve / kvd.netopts; re-exported here
+__all__ = ["COPY_THRESHOLD_BYTES", "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "CurveConfig",
+           "ShardServer", "TopologyServer", "keygen", "recv_frames", "send_frames", "tune_malloc"]
 
-COPY_THRESHOLD_BYTES = 64 * 1024  # frames at least this big are sent zero-copy (pyzmq's own threshold)
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_BYTES = 256 * 1024 * 1024
 DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader beyond it are dropped
-DEFAULT_HEARTBEAT_IVL_S = 2.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
@@ -81,168 +85,6 @@ _EVENTS, _RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _get = zmq.backend.Socket.get
 _send = zmq.backend.Socket.send
-_recv = zmq.backend.Socket.recv
-
-
-def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
-    """One multipart message as zero-copy frames (``frame.buffer`` is a view of the received bytes)."""
-    parts = [_recv(sock, flags, False, False)]
-    while _get(sock, _RCVMORE):
-        parts.append(_recv(sock, 0, False, False))
-    return parts
-
-
-def send_frames(sock: zmq.Socket[Any], frames: list[Any], first_flags: int = 0) -> int:
-    """Send ``frames`` as one multipart message: frames of ``COPY_THRESHOLD_BYTES`` and more without copying
-    them. ``first_flags`` apply to the first part only (NOBLOCK: raises zmq.Again before anything is sent).
-    Returns the bytes sent."""
-    last = len(frames) - 1
-    size = 0
-    for i, f in enumerate(frames):
-        n = len(f)
-        size += n
-        flags = (first_flags if i == 0 else 0) | (0 if i == last else _SNDMORE)
-        _send(sock, f, flags, n < COPY_THRESHOLD_BYTES, False)
-    return size
-_Z85_KEY_CHARS = 40
-_ZAP_DOMAIN = "kvd"  # the ZAP domain of kvd's sockets: the authenticator's allow-list applies to it
-
-
-# ------------------------------------------------------------------------------------------------ CURVE
-
-
-def _key(value: Any, what: str) -> bytes:
-    raw = value.encode("ascii") if isinstance(value, str) else value
-    if not isinstance(raw, bytes) or len(raw) != _Z85_KEY_CHARS:
-        raise ConfigError(f"{what} must be a {_Z85_KEY_CHARS}-character Z85 CURVE key, got {type(value).__name__}")
-    return raw
-
-
-def _load(path: str | os.PathLike[str], *, need_secret: bool) -> tuple[bytes, bytes | None]:
-    try:
-        public, secret = zmq.auth.load_certificate(os.fspath(path))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the CURVE key file {os.fspath(path)!r}: {exc}") from None
-    if need_secret and secret is None:
-        raise ConfigError(f"{os.fspath(path)!r} holds no secret key (use the *.key_secret file)")
-    return public, secret
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CurveConfig:
-    """CURVE keys of one side (Z85 bytes, as ``zmq.auth.create_certificates`` writes them; see :func:`keygen`).
-
-    A server sets ``public_key``/``secret_key`` and optionally ``authorized_keys`` (client public keys allowed to
-    connect; None = any client that knows the server's public key). A client sets its own pair and
-    ``server_public_key``. Build one with :meth:`for_server` / :meth:`for_client`. Raises :class:`ConfigError`.
-    """
-
-    public_key: bytes
-    secret_key: bytes = field(repr=False)
-    server_public_key: bytes | None = None
-    authorized_keys: frozenset[bytes] | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "public_key", _key(self.public_key, "public_key"))
-        object.__setattr__(self, "secret_key", _key(self.secret_key, "secret_key"))
-        if self.server_public_key is not None:
-            object.__setattr__(self, "server_public_key", _key(self.server_public_key, "server_public_key"))
-        if self.authorized_keys is not None:
-            keys = frozenset(_key(k, "authorized key") for k in self.authorized_keys)
-            object.__setattr__(self, "authorized_keys", keys)
-
-    @classmethod
-    def for_server(cls, *, secret_key_file: str | os.PathLike[str],
-                   authorized_keys_dir: str | os.PathLike[str] | None = None) -> CurveConfig:
-        """The server's key pair from ``secret_key_file`` (``NAME.key_secret``); allowed clients are the public
-        keys (``*.key``) in ``authorized_keys_dir`` (None: any client with the server's public key)."""
-        public, secret = _load(secret_key_file, need_secret=True)
-        allowed = None
-        if authorized_keys_dir is not None:
-            if not os.path.isdir(authorized_keys_dir):
-                raise ConfigError(f"authorized_keys {os.fspath(authorized_keys_dir)!r} is not a directory")
-            allowed = frozenset(zmq.auth.load_certificates(os.fspath(authorized_keys_dir)))
-            if not allowed:
-                raise ConfigError(f"authorized_keys {os.fspath(authorized_keys_dir)!r} holds no *.key file: "
-                                  "no client could connect")
-        assert secret is not None
-        return cls(public_key=public, secret_key=secret, authorized_keys=allowed)
-
-    @classmethod
-    def for_client(cls, *, server_public_key_file: str | os.PathLike[str],
-                   secret_key_file: str | os.PathLike[str] | None = None) -> CurveConfig:
-        """A client's config: the server's public key, and this client's pair from ``secret_key_file`` (None: a
-        fresh pair per process, accepted only by servers without an allow-list)."""
-        server_public, _ = _load(server_public_key_file, need_secret=False)
-        if secret_key_file is None:
-            public, secret = zmq.curve_keypair()
-        else:
-            public, maybe = _load(secret_key_file, need_secret=True)
-            assert maybe is not None
-            secret = maybe
-        return cls(public_key=public, secret_key=secret, server_public_key=server_public)
-
-    def apply_client(self, sock: zmq.Socket[Any]) -> None:
-        """Set this client's keys on ``sock`` (before connect)."""
-        if self.server_public_key is None:
-            raise ConfigError("a client CurveConfig needs server_public_key (CurveConfig.for_client)")
-        sock.curve_secretkey = self.secret_key
-        sock.curve_publickey = self.public_key
-        sock.curve_serverkey = self.server_public_key
-
-
-def keygen(directory: str | os.PathLike[str], name: str) -> tuple[str, str]:
-    """Write a CURVE key pair ``NAME.key`` (public) and ``NAME.key_secret`` (mode 0600) into ``directory``
-    (created with mode 0700 if missing). Returns ``(public_file, secret_file)``."""
-    if not name or os.sep in name or name.startswith("."):
-        raise ConfigError(f"key name must be a plain file name, got {name!r}")
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(os.fspath(directory), name)
-    os.chmod(secret, 0o600)
-    return str(public), str(secret)
-
-
-class _AllowList:
-    """ZAP credentials provider for ThreadAuthenticator: a fixed set of Z85 client public keys."""
-
-    def __init__(self, keys: frozenset[bytes]) -> None:
-        self._keys = keys
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        allowed = key in self._keys
-        if not allowed:
-            log.warning("CURVE: refused a client key that is not on the allow-list: %s", key.decode("ascii"))
-        return allowed
-
-
-# ------------------------------------------------------------------------------------------------ memory
-
-MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: every buffer of a legal message but the biggest
-MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
-
-
-def tune_malloc(*, mmap_threshold_bytes: int = MALLOC_MMAP_THRESHOLD_BYTES,
-                trim_threshold_bytes: int = MALLOC_TRIM_THRESHOLD_BYTES) -> bool:
-    """Make glibc's malloc recycle large buffers in this process instead of returning them to the OS.
-
-    Every request and reply of MiBs allocates buffers of that size (ZeroMQ's receive buffers, the store's
-    results). By default glibc maps such buffers fresh and unmaps them when freed, so each one costs a page fault
-    per 4 KiB on first touch: measured here (bench/wire.py) that doubles the time of an 8 MiB request with 8 in
-    flight. With buffers up to ``mmap_threshold_bytes`` taken from the heap, and up to ``trim_threshold_bytes``
-    of free heap kept, they are reused warm. Process-wide; the cost is that up to ``trim_threshold_bytes`` of
-    freed memory stays mapped. Returns False (and changes nothing) where malloc is not glibc's.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    # one arena: a thread's own arena unmaps a heap as soon as it is all free, whatever the trim threshold, so
-    # the serving thread's buffers would be fresh pages again on every request
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)) == 1
-                and mallopt(_M_TRIM_THRESHOLD, int(trim_threshold_bytes)) == 1
-                and mallopt(_M_ARENA_MAX, 1) == 1)
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -381,7 +223,7 @@ class _RouterServer:
             sock.curve_secretkey = self._curve.secret_key
             sock.curve_publickey = self._curve.public_key
             sock.curve_server = True
-            sock.zap_domain = _ZAP_DOMAIN.encode()
+            sock.zap_domain = ZAP_DOMAIN.encode()
         host = self._host
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
@@ -400,10 +242,10 @@ class _RouterServer:
                 auth = ThreadAuthenticator(ctx, log=log.getChild("auth"))
                 auth.start()  # before bind: without a ZAP handler CURVE would admit every key
                 if self._curve.authorized_keys is None:
-                    auth.configure_curve(domain=_ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
+                    auth.configure_curve(domain=ZAP_DOMAIN, location=zmq.auth.CURVE_ALLOW_ANY)
                 else:
-                    auth.configure_curve_callback(domain=_ZAP_DOMAIN,
-                                                  credentials_provider=_AllowList(self._curve.authorized_keys))
+                    auth.configure_curve_callback(domain=ZAP_DOMAIN,
+                                                  credentials_provider=AllowList(self._curve.authorized_keys))
             sock = self._open(ctx)
         except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
             self._start_error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))

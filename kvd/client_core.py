@@ -1,0 +1,493 @@
+"""What :class:`kvd.client.Client` and :class:`kvd.client_async.AsyncClient` share: connections (:class:`_Conn`),
+the reply-to-value mapping, and :class:`_Core`, which holds addressing, topology, routing, request ids and every
+call's *plan* (a generator of I/O actions that each client runs with its own I/O: blocking calls or awaits).
+Theory of operation: the docstring of :mod:`kvd.client`."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvd import pages
+from kvd import protocol as p
+from kvd.curve import CurveConfig
+from kvd.errors import (
+    Busy,
+    InvalidArgument,
+    KvdError,
+    MessageTooLarge,
+    ProtocolError,
+    ShardUnavailable,
+    Timeout,
+    UnsupportedVersion,
+)
+from kvd.netopts import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
+from kvd.routing import Topology
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "aggregate_stats"]
+
+DEFAULT_TIMEOUT_S = 10.0
+CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
+DEFAULT_WINDOW = 64  # requests in flight per *_many call; well under a shard's admission queue
+_BUSY_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+_IDEMPOTENT = frozenset({"get", "length", "stats", "explain", "register"})
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_MONITOR_IDS = itertools.count()
+_NOT_ADDITIVE = frozenset({"epoch", "page_tokens", "sink_tokens", "window_tokens", "server_uptime_s",
+                           "server_queue_peak"})
+
+
+def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Cluster totals from per-shard stats: numbers summed (``epoch`` and settings: the maximum), maps of numbers
+    summed per key, ``pressure`` recomputed as used/capacity, a string kept when all shards agree (else
+    ``"mixed"``); ``shards`` counts the shards, ``errors`` those that did not answer."""
+    good = [s for s in per_shard if "error" not in s]
+    out: dict[str, Any] = {"shards": len(per_shard), "errors": len(per_shard) - len(good)}
+    for stats in good:
+        for key, value in stats.items():
+            if key in ("shard_id", "endpoint"):
+                continue
+            have = out.get(key)
+            if isinstance(value, bool) or value is None:
+                out[key] = value if have is None or have == value else "mixed"
+            elif isinstance(value, (int, float)):
+                if key in _NOT_ADDITIVE:
+                    out[key] = value if have is None else max(have, value)
+                else:
+                    out[key] = (have or 0) + value
+            elif isinstance(value, dict):
+                merged = dict(have) if isinstance(have, dict) else {}
+                for k, v in value.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        merged[k] = merged.get(k, 0) + v
+                out[key] = merged
+            else:
+                out[key] = value if key not in out or have == value else "mixed"
+    if out.get("capacity_bytes"):
+        out["pressure"] = out.get("used_bytes", 0) / out["capacity_bytes"]
+    return out
+
+
+class _Conn:
+    """One DEALER to one server, with the replies received for requests still waited for."""
+
+    __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "waiting", "replies", "reader",
+                 "rcvtimeo", "closed")
+
+    def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
+        self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
+        self.shard_id: str | None = None
+        self.hello: p.HelloReply | None = None
+        self.limits = p.DEFAULT_LIMITS
+        self.waiting: dict[int, Any] = {}  # id -> None (sync: reply not yet in) or a Future (async)
+        self.replies: dict[int, Any] = {}
+        self.reader: asyncio.Task[None] | None = None
+        self.rcvtimeo = -2
+        self.closed = False
+
+    def auth_failure(self) -> str | None:
+        """Why the handshake failed, if the monitor saw it (CURVE key refused, or a CURVE / plain mismatch)."""
+        found = None
+        try:
+            while self.monitor.poll(0):
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    found = "the server refused this client's CURVE key (not on its allow-list)"
+                elif found is None:
+                    found = "the security handshake failed (CURVE on one side only, or a wrong server key)"
+        except (zmq.ZMQError, ValueError):
+            pass
+        return found
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.reader is not None:
+            self.reader.cancel()
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(0)
+        self.sock.close(0)
+
+
+def _open_socket(ctx: Any, endpoint: str, curve: CurveConfig | None, limits: p.Limits) -> _Conn:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)  # close() must not wait for requests to a dead shard
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to live connections: a down shard fails fast
+    sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_frame_bytes, limits.max_header_bytes))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(DEFAULT_HEARTBEAT_IVL_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(DEFAULT_HEARTBEAT_TIMEOUT_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, int(DEFAULT_HEARTBEAT_TIMEOUT_S * 1000))
+    if curve is not None:
+        curve.apply_client(sock)
+    # the handshake monitor is read only to explain a failure, with a plain socket also for AsyncClient
+    address = f"inproc://kvd-client-monitor-{next(_MONITOR_IDS)}"
+    sock.monitor(address, _MONITOR_EVENTS)
+    monitor: zmq.Socket[Any] = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+    monitor.connect(address)
+    sock.connect(endpoint)
+    return _Conn(endpoint, sock, monitor)
+
+
+def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
+    if isinstance(reply, p.ErrorReply):
+        raise reply.exception()
+    if not isinstance(reply, p.HelloReply):
+        raise ProtocolError(f"{conn.endpoint}: expected a hello reply, got {type(reply).__name__}")
+    if reply.protocol_version != p.PROTOCOL_VERSION:
+        raise UnsupportedVersion(f"{conn.endpoint} speaks protocol {reply.protocol_version}, this client "
+                                 f"{p.PROTOCOL_VERSION}")
+    if expect_id is not None and (reply.role != "shard" or reply.shard_id != expect_id):
+        raise ShardUnavailable(f"{conn.endpoint} is now {reply.role} {reply.shard_id!r}, not shard {expect_id!r} "
+                               "as the topology said")
+    conn.hello, conn.limits, conn.shard_id = reply, reply.limits, reply.shard_id
+
+
+def _value(req: Any, reply: Any) -> Any:
+    """The caller's result for ``reply`` to ``req``; an error reply is raised as its kvd error."""
+    if isinstance(reply, p.ErrorReply):
+        raise reply.exception()
+    if reply.OP != req.OP or (isinstance(req, p.GetRequest)
+                              and isinstance(reply, p.GetPagesReply) != (req.format == "pages")):
+        raise ProtocolError(f"reply {type(reply).__name__} does not answer {type(req).__name__}")
+    if isinstance(reply, (p.AppendReply, p.LengthReply)):
+        return reply.length
+    if isinstance(reply, p.GetReply):
+        return reply.keys, reply.values
+    if isinstance(reply, p.GetPagesReply):
+        return pages.assemble(reply.entries, reply.start, reply.end, reply.layers)
+    if isinstance(reply, p.DropReply):
+        return reply.dropped
+    if isinstance(reply, p.StatsReply):
+        return reply.stats
+    if isinstance(reply, p.ExplainReply):
+        return {"level": reply.level, "reasons": list(reply.reasons), **(reply.details or {})}
+    if isinstance(reply, p.TopologyReply):
+        return {"epoch": reply.epoch, "shards": [dict(s) for s in reply.shards], "level": reply.level,
+                "level_epoch": reply.level_epoch}
+    return None
+
+
+def _append_chunks(keys: Any, values: Any, limits: p.Limits) -> list[tuple[Any, Any]]:
+    """Split an append along T so that each message fits ``limits`` (docs/protocol.md §6.4)."""
+    room = min(limits.max_frame_bytes, (limits.max_message_bytes - limits.max_header_bytes) // 2)
+    if isinstance(keys, np.ndarray) and keys.nbytes <= room:
+        return [(keys, values)]  # the common case, without a second look at the arrays
+    k, v = p.as_array(keys, "keys"), p.as_array(values, "values")
+    if k.ndim != 4 or k.shape[1] < 2:
+        return [(keys, values)]
+    per_token = k.nbytes // k.shape[1]
+    step = max(1, room // max(per_token, 1))
+    if k.shape[1] <= step:
+        return [(keys, values)]
+    return [(k[:, t:t + step], v[:, t:t + step]) for t in range(0, k.shape[1], step)]
+
+
+def _renumber(req: Any, rid: int) -> Any:
+    """``req`` under a new request id (messages are frozen and their fields were validated already)."""
+    clone = object.__new__(type(req))
+    for cls in type(req).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name != "__weakref__":
+                object.__setattr__(clone, name, getattr(req, name))
+    object.__setattr__(clone, "request_id", rid)
+    return clone
+
+
+def _is_busy(reply: Any) -> bool:
+    return isinstance(reply, p.ErrorReply) and reply.code == Busy.code
+
+
+# A plan is a generator that yields I/O actions and gets their results back (or has their exceptions thrown in
+# at the yield); Client runs plans with blocking calls, AsyncClient with awaits. Actions:
+#   ("open", endpoint) -> _Conn      ("send", conn, req, deadline) -> None
+#   ("wait", conn, req, deadline, timeout_s) -> reply      ("sleep", seconds) -> None
+Plan = Generator[tuple[Any, ...], Any, Any]
+
+
+class _Core:
+    """What both clients share: addressing, topology, routing, request ids and every call's plan."""
+
+    def __init__(self, address: str | Sequence[str], *, timeout_s: float, curve: CurveConfig | None,
+                 limits: p.Limits | None) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if curve is not None and not isinstance(curve, CurveConfig):
+            raise InvalidArgument(f"curve must be a CurveConfig, got {type(curve).__name__}")
+        if isinstance(address, str):
+            self._seeds: tuple[str, ...] = (p.check_short_text("address", address, InvalidArgument),)
+        else:
+            self._seeds = tuple(p.check_short_text(f"address[{i}]", a, InvalidArgument)
+                                for i, a in enumerate(address))
+            if not self._seeds or len(set(self._seeds)) != len(self._seeds):
+                raise InvalidArgument(f"address must be an endpoint or a non-empty list of distinct shard "
+                                      f"endpoints, got {address!r}")
+        self._single = isinstance(address, str)
+        self.timeout_s = float(timeout_s)
+        self._curve = curve
+        self._limits = limits or p.DEFAULT_LIMITS
+        self._ids = itertools.count(1)
+        self._coordinator: _Conn | None = None
+        self._conns: dict[str, _Conn] = {}  # endpoint -> connection (hello done)
+        self._opened: list[_Conn] = []  # every connection ever opened: close() closes what is left
+        self._topo = Topology(epoch=None, shards=())
+        self._closed = False
+
+    # -------------------------------------------------------------------------------------------- helpers
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        if self._closed:
+            raise InvalidArgument("the client is closed")
+        return time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+
+    def _tmo(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
+
+    def _set_topology(self, topo: dict[str, Any]) -> None:
+        self._topo = Topology(**topo)
+        live = {(s["endpoint"], s["id"]) for s in self._topo.shards}
+        for endpoint, conn in list(self._conns.items()):
+            if (endpoint, conn.shard_id) not in live:
+                del self._conns[endpoint]
+                conn.close()
+
+    @property
+    def _shards(self) -> tuple[dict[str, str], ...]:
+        return self._topo.shards
+
+    def topology(self) -> dict[str, Any]:
+        """The topology in use: ``{"epoch", "shards": [{"id", "endpoint"}], "level", "level_epoch"}`` (for shard
+        endpoints given directly: epoch 0, level None)."""
+        return self._topo.as_dict()
+
+    def _timeout(self, conn: _Conn, what: str, timeout_s: float) -> Timeout:
+        why = conn.auth_failure()
+        name = f"shard {conn.shard_id!r} at {conn.endpoint}" if conn.shard_id else conn.endpoint
+        return Timeout(f"no reply from {name} to {what} within {timeout_s:g} s" + (f": {why}" if why else ""))
+
+    def _unavailable(self, conn: _Conn, what: str, deadline: float, timeout_s: float) -> KvdError:
+        why = conn.auth_failure()
+        if why or time.monotonic() >= deadline:
+            return Timeout(f"cannot send {what} to {conn.endpoint} within {timeout_s:g} s"
+                           + (f": {why}" if why else ": not connected"))
+        return ShardUnavailable(f"cannot send {what} to {conn.endpoint}: no connection within "
+                                f"{CONNECT_GRACE_S:g} s (is the server running?)")
+
+    # -------------------------------------------------------------------------------------------- plans
+
+    def _g_roundtrip(self, conn: _Conn, req: Any, deadline: float, timeout_s: float) -> Plan:
+        """Send and wait; ``Busy`` is retried with backoff until the deadline (a Busy request was not run)."""
+        backoffs = iter(_BUSY_BACKOFF_S)
+        while True:
+            yield ("send", conn, req, deadline)
+            reply = yield ("wait", conn, req, deadline, timeout_s)
+            if not _is_busy(reply):
+                return reply
+            backoff = next(backoffs, _BUSY_BACKOFF_S[-1])
+            if time.monotonic() + backoff >= deadline:
+                return reply
+            yield ("sleep", backoff)
+            req = _renumber(req, next(self._ids))
+
+    def _g_hello(self, conn: _Conn, expect_id: str | None, deadline: float) -> Plan:
+        req = p.HelloRequest(request_id=next(self._ids))
+        _check_hello(conn, (yield from self._g_roundtrip(conn, req, deadline, self.timeout_s)), expect_id)
+
+    def _g_conn(self, shard: dict[str, str], deadline: float) -> Plan:
+        """The connection to ``shard``, opened and greeted (hello) on first use."""
+        endpoint = shard["endpoint"]
+        conn = self._conns.get(endpoint)
+        if conn is not None and conn.shard_id == shard["id"]:
+            return conn
+        conn = yield ("open", endpoint)
+        try:
+            yield from self._g_hello(conn, shard["id"], deadline)
+        except BaseException:
+            conn.close()
+            raise
+        other = self._conns.get(endpoint)  # opened meanwhile by a concurrent call (AsyncClient)
+        if other is not None and other.shard_id == shard["id"]:
+            conn.close()
+            return other
+        if other is not None:
+            other.close()
+        self._conns[endpoint] = conn
+        return conn
+
+    def _g_bootstrap(self, deadline: float) -> Plan:
+        conns: list[_Conn] = []
+        try:
+            for address in self._seeds:
+                conns.append((yield ("open", address)))
+            reqs = [p.HelloRequest(request_id=next(self._ids)) for _ in conns]
+            for conn, req in zip(conns, reqs, strict=True):
+                yield ("send", conn, req, deadline)
+            for conn, req in zip(conns, reqs, strict=True):
+                _check_hello(conn, (yield ("wait", conn, req, deadline, self.timeout_s)), None)
+            roles = [c.hello.role for c in conns if c.hello is not None]
+            if self._single and roles[0] == "coordinator":
+                self._coordinator = conns[0]
+                yield from self._g_refresh(deadline)
+                return
+            if "coordinator" in roles:
+                raise InvalidArgument("a list address must name shards; one of them is a coordinator")
+        except BaseException:
+            for conn in conns:
+                conn.close()
+            self._coordinator = None
+            raise
+        for conn in conns:
+            self._conns[conn.endpoint] = conn
+        self._set_topology({"epoch": 0, "shards": [{"id": c.shard_id, "endpoint": c.endpoint} for c in conns],
+                            "level": None, "level_epoch": None})
+
+    def _g_refresh(self, deadline: float) -> Plan:
+        if self._coordinator is not None:
+            req = p.TopologyRequest(request_id=next(self._ids))
+            self._set_topology(_value(req, (yield from self._g_roundtrip(self._coordinator, req, deadline,
+                                                                        self.timeout_s))))
+        return self.topology()
+
+    def _g_routed(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Plan:
+        deadline, tmo = self._deadline(timeout_s), self._tmo(timeout_s)
+        req = make(next(self._ids))
+        try:
+            conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
+            return _value(req, (yield from self._g_roundtrip(conn, req, deadline, tmo)))
+        except (ShardUnavailable, Timeout):
+            if self._coordinator is None:
+                raise
+            deadline = self._deadline(timeout_s)  # the retry has a timeout of its own
+            yield from self._g_refresh(deadline)
+            if req.OP not in _IDEMPOTENT:
+                raise
+        req = _renumber(req, next(self._ids))
+        conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
+        return _value(req, (yield from self._g_roundtrip(conn, req, deadline, tmo)))
+
+    def _g_everywhere(self, make: Any, timeout_s: float | None) -> Plan:
+        """One request to every shard, in flight together: values (or kvd errors) in topology order."""
+        deadline, tmo = self._deadline(timeout_s), self._tmo(timeout_s)
+        sent: list[Any] = []
+        for shard in self._shards:
+            try:
+                conn = yield from self._g_conn(shard, deadline)
+                req = make(next(self._ids))
+                yield ("send", conn, req, deadline)
+                sent.append((conn, req))
+            except KvdError as exc:
+                sent.append(exc)
+        out: list[Any] = []
+        for item in sent:
+            try:
+                if isinstance(item, KvdError):
+                    raise item
+                conn, req = item
+                reply = yield ("wait", conn, req, deadline, tmo)
+                if _is_busy(reply):
+                    reply = yield from self._g_roundtrip(conn, _renumber(req, next(self._ids)), deadline, tmo)
+                out.append(_value(req, reply))
+            except KvdError as exc:
+                out.append(exc)
+        return out
+
+    def _plan_register(self, namespace: str, layout: tuple[int, int, int], timeout_s: float | None) -> Plan:
+        def make(rid: int) -> p.RegisterRequest:
+            return p.RegisterRequest(request_id=rid, namespace=namespace, num_layers=layout[0],
+                                     num_kv_heads=layout[1], head_dim=layout[2])
+
+        make(0)  # argument errors before any I/O
+        errors = [r for r in (yield from self._g_everywhere(make, timeout_s)) if isinstance(r, KvdError)]
+        if errors and self._coordinator is not None and all(isinstance(e, (ShardUnavailable, Timeout))
+                                                            for e in errors):
+            yield from self._g_refresh(self._deadline(timeout_s))
+            errors = [r for r in (yield from self._g_everywhere(make, timeout_s)) if isinstance(r, KvdError)]
+        if errors:
+            raise errors[0]
+
+    def _plan_append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, offset: int | None,
+                     dtype: str | None, timeout_s: float | None) -> Plan:
+        first = self._topo.owner(namespace, seq_id)
+        conn = yield from self._g_conn(first, self._deadline(timeout_s))
+        chunks = _append_chunks(keys, values, conn.limits)
+        length = offset
+        for i, (k, v) in enumerate(chunks):
+            def make(rid: int, k: Any = k, v: Any = v, off: int | None = length) -> p.AppendRequest:
+                return p.AppendRequest(request_id=rid, namespace=namespace, seq_id=seq_id, keys=k, values=v,
+                                       offset=off, dtype=dtype)
+            try:
+                length = yield from self._g_routed(make, namespace, seq_id, timeout_s)
+            except KvdError as exc:
+                if i:
+                    raise type(exc)(f"{exc} (after {i} of {len(chunks)} parts of this append were stored, up "
+                                    f"to length {length})") from exc
+                raise
+        return length
+
+    def _plan_get(self, namespace: str, seq_id: p.SeqId, start: int, end: int | None,
+                  layers: Sequence[int] | None, fmt: str, timeout_s: float | None) -> Plan:
+        def make(rid: int) -> p.GetRequest:
+            return p.GetRequest(request_id=rid, namespace=namespace, seq_id=seq_id, start=start, end=end,
+                                layers=None if layers is None else tuple(layers), format=fmt)
+        try:
+            return (yield from self._g_routed(make, namespace, seq_id, timeout_s))
+        except MessageTooLarge:
+            stop = end
+            if stop is None:
+                stop = yield from self._g_routed(
+                    lambda rid: p.LengthRequest(request_id=rid, namespace=namespace, seq_id=seq_id),
+                    namespace, seq_id, timeout_s)
+            if stop - start < 2:
+                raise
+            mid = (start + stop) // 2
+            a = yield from self._plan_get(namespace, seq_id, start, mid, layers, fmt, timeout_s)
+            b = yield from self._plan_get(namespace, seq_id, mid, stop, layers, fmt, timeout_s)
+            return np.concatenate([a[0], b[0]], axis=1), np.concatenate([a[1], b[1]], axis=1)
+
+    def _plan_shard_stats(self, timeout_s: float | None) -> Plan:
+        def make(rid: int) -> p.StatsRequest:
+            return p.StatsRequest(request_id=rid)
+
+        results = yield from self._g_everywhere(make, timeout_s)
+        if self._coordinator is not None and any(isinstance(r, (ShardUnavailable, Timeout)) for r in results):
+            yield from self._g_refresh(self._deadline(timeout_s))
+            results = yield from self._g_everywhere(make, timeout_s)
+        return [({"shard_id": s["id"], "endpoint": s["endpoint"], "error": f"{type(r).__name__}: {r}"}
+                 if isinstance(r, KvdError) else {**r, "shard_id": s["id"], "endpoint": s["endpoint"]})
+                for s, r in zip(self._shards, results, strict=True)]
+
+    def _plan_ping(self, timeout_s: float | None) -> Plan:
+        out: dict[str, float] = {}
+        for shard in self._shards:
+            deadline = self._deadline(timeout_s)
+            t0 = time.perf_counter()
+            conn = yield from self._g_conn(shard, deadline)
+            req = p.PingRequest(request_id=next(self._ids))
+            _value(req, (yield from self._g_roundtrip(conn, req, deadline, self._tmo(timeout_s))))
+            out[shard["id"]] = time.perf_counter() - t0
+        return out
+
+    def _plan_simple(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Plan:
+        return (yield from self._g_routed(make, namespace, seq_id, timeout_s))
+
+    def _all_conns(self) -> list[_Conn]:
+        return [c for c in self._opened if not c.closed]
+
+    def _track(self, conn: _Conn) -> _Conn:
+        self._opened = [c for c in self._opened if not c.closed]
+        self._opened.append(conn)
+        return conn
