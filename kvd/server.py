@@ -228,7 +228,11 @@ class _RouterServer:
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
             host = f"[{host}]"
-        sock.bind(f"tcp://{host}:{self._port if self._port else '*'}")
+        try:
+            sock.bind(f"tcp://{host}:{self._port if self._port else '*'}")
+        except BaseException:
+            sock.close(0)  # an open socket would make ctx.term() wait forever
+            raise
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
         self._endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
         return sock
@@ -254,7 +258,7 @@ class _RouterServer:
                 sock.close(0)
             if auth is not None:
                 auth.stop()
-            ctx.term()
+            ctx.destroy(linger=0)
             return
         self._ready.set()
         try:

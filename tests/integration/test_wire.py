@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -561,3 +562,21 @@ def test_aggregate_stats_sums_counters_and_merges_levels() -> None:
     assert out["used_bytes"] == 40 and out["pressure"] == 0.2 and out["level"] == "mixed"
     assert out["epoch"] == 4 and out["page_tokens"] == 64 and out["pages_by_level"] == {"q8": 3, "q4": 5}
     assert (out["shards"], out["errors"]) == (3, 1)
+
+
+@pytest.mark.timeout(20)
+def test_a_taken_port_fails_start_at_once_and_leaves_no_thread() -> None:
+    first = ShardServer(Store(1 << 20), shard_id="first")
+    endpoint = first.start()
+    try:
+        port = int(endpoint.rsplit(":", 1)[1])
+        before = threading.active_count()
+        with pytest.raises(zmq.ZMQError, match="in use"):
+            ShardServer(Store(1 << 20), shard_id="second", port=port).start()
+        # start() used to wait out its 10 s readiness timeout while ctx.term() hung on the unbound socket
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threading.active_count() <= before
+    finally:
+        first.stop()
