@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -494,17 +495,57 @@ def assemble(
     if end < start:
         raise InvalidArgument(f"end {end} < start {start}")
     order = list(dict.fromkeys(e[0] for e in entries)) if layers is None else list(layers)
-    slot = {layer: i for i, layer in enumerate(order)}
     first = header(entries[0][2]) if entries else None
     h, d = (first.heads, first.head_dim) if first else (1, 1)
     keys = np.empty((len(order), end - start, h, d), np.float16)
     values = np.empty_like(keys)
-    covered = np.zeros((len(order), end - start), bool)
+    assemble_into(entries, start, end, keys, values, order)
+    return keys, values
+
+
+PARALLEL_MIN_BYTES = 1 << 20  # below this a second thread costs more than it saves
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-pages"))
+    return _POOL[0]
+
+
+def assemble_into(
+    entries: Sequence[tuple[int, int, object, object]],
+    start: int,
+    end: int,
+    keys_out: np.ndarray,
+    values_out: np.ndarray,
+    layers: Sequence[int] | None = None,
+    *,
+    parallel: bool | None = None,
+) -> None:
+    """Like :func:`assemble`, decoding straight into ``keys_out`` and ``values_out`` (float16, C-contiguous,
+    ``[L', end-start, H, D]``). Pages are checked and decoded on two threads when there is enough work
+    (``parallel=None``: at least PARALLEL_MIN_BYTES of output; the kernels release the GIL)."""
+    if end < start:
+        raise InvalidArgument(f"end {end} < start {start}")
+    order = list(dict.fromkeys(e[0] for e in entries)) if layers is None else list(layers)
+    slot = {layer: i for i, layer in enumerate(order)}
+    want = (len(order), end - start)
+    for name, out in (("keys_out", keys_out), ("values_out", values_out)):
+        if not isinstance(out, np.ndarray) or out.dtype != np.float16 or out.shape[:2] != want or out.ndim != 4:
+            raise InvalidArgument(
+                f"{name} must be a float16 array [{want[0]}, {want[1]}, H, D], got {getattr(out, 'shape', out)}"
+            )
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgument(f"{name} must be writable and C-contiguous")
+    h, d = keys_out.shape[2:]
+    covered = np.zeros(want, bool)
+    jobs: list[tuple[object, np.ndarray, int, int]] = []  # page, destination, first and end token in the page
     for layer, token0, kp, vp in entries:
         if layer not in slot:
             continue
         i = slot[layer]
-        for page, dst in ((kp, keys), (vp, values)):
+        for page, dst in ((kp, keys_out), (vp, values_out)):
             hd = header(page)
             if (hd.heads, hd.head_dim) != (h, d):
                 raise InvalidArgument(
@@ -513,12 +554,25 @@ def assemble(
             lo, hi = max(start, token0), min(end, token0 + hd.tokens)
             if lo >= hi:
                 continue
-            if lo == token0 and hi == token0 + hd.tokens:
-                decode_into(page, dst[i, lo - start : hi - start])
-            else:
-                dst[i, lo - start : hi - start] = decode(page)[lo - token0 : hi - token0]
+            jobs.append((page, dst[i, lo - start : hi - start], lo - token0, hi - token0))
             covered[i, lo - start : hi - start] = True
     if not covered.all():
         i, t = (int(v) for v in np.argwhere(~covered)[0])
         raise InvalidArgument(f"pages do not cover token {start + t} of layer {order[i]}")
-    return keys, values
+    if parallel is None:
+        parallel = keys_out.nbytes + values_out.nbytes >= PARALLEL_MIN_BYTES
+    if parallel and len(jobs) > 1:
+        half = len(jobs) // 2
+        other = _pool().submit(_decode_jobs, jobs[half:])
+        _decode_jobs(jobs[:half])
+        other.result()
+    else:
+        _decode_jobs(jobs)
+
+
+def _decode_jobs(jobs: Sequence[tuple[object, np.ndarray, int, int]]) -> None:
+    for page, dst, lo, hi in jobs:
+        if lo == 0 and hi == header(page).tokens:
+            decode_into(page, dst)
+        else:
+            dst[...] = decode(page)[lo:hi]

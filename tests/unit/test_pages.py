@@ -310,6 +310,44 @@ def test_assemble_rebuilds_a_range_across_pages() -> None:
         pages.assemble([e for e in entries if not (e[0] == 1 and e[1] == 128)], 0, 150)
 
 
+@pytest.mark.parametrize("parallel", [False, True])
+def test_assemble_into_decodes_into_the_callers_buffers(parallel: bool) -> None:
+    t, h, d = 200, 4, 64
+    ks = [kv(t, h, d, seed=30 + i) for i in range(4)]
+    entries = [
+        (
+            layer,
+            t0,
+            pages.encode(ks[layer][t0 : t0 + 64], "q4", role="key"),
+            pages.encode(ks[layer][t0 : t0 + 64], "q8", role="value"),
+        )
+        for layer in range(4)
+        for t0 in range(0, t, 64)
+    ]
+    want_k, want_v = pages.assemble(entries, 10, 190)
+    out_k, out_v = np.empty_like(want_k), np.empty_like(want_v)
+    pages.assemble_into(entries, 10, 190, out_k, out_v, parallel=parallel)
+    np.testing.assert_array_equal(out_k.view(np.uint16), want_k.view(np.uint16))
+    np.testing.assert_array_equal(out_v.view(np.uint16), want_v.view(np.uint16))
+    with pytest.raises(InvalidArgument, match="keys_out"):
+        pages.assemble_into(entries, 10, 190, out_k[:, :-1], out_v)
+    with pytest.raises(InvalidArgument, match="values_out"):
+        pages.assemble_into(entries, 10, 190, out_k, out_v.astype(np.float32))
+
+
+def test_assemble_into_reports_a_damaged_page_from_either_thread() -> None:
+    x = kv(64, 8, 128, seed=8)
+    entries = [
+        (layer, 0, pages.encode(x, "q8", role="key"), pages.encode(x, "q8", role="value")) for layer in range(8)
+    ]
+    bad = bytearray(entries[-1][3])
+    bad[-5] ^= 0x10
+    entries[-1] = (7, 0, entries[-1][2], bytes(bad))
+    out = np.empty((8, 64, 8, 128), np.float16)
+    with pytest.raises(CorruptPage, match="checksum"):
+        pages.assemble_into(entries, 0, 64, out, out.copy(), parallel=True)
+
+
 # ------------------------------------------------------------------------------------------ golden bytes
 
 
