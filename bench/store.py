@@ -6,8 +6,9 @@
 1. Append and get throughput in GB/s of fp16 bytes (keys + values), medians over repetitions, per level, for
    the sample layout (30 layers, 3 KV heads, head_dim 64) and a 7B-class layout (32 layers, 8 KV heads,
    head_dim 128), next to numpy.copyto of the same bytes into a reused buffer and a plain copy into a fresh
-   array (what get() has to do: it returns new arrays) in the same run. Appends come in 512-token chunks into a
-   store in steady state (the previous sequence is dropped before the next is timed).
+   array (what get() has to do: it returns new arrays) in the same run; get_into decodes into reused buffers,
+   the fair comparison with copyto. Appends come in 512-token chunks into a store in steady state (the previous
+   sequence is dropped before the next is timed).
 2. Tokens held per GiB at each level relative to fp16, for 4,096-token sequences with the default settings
    (sink page raw, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
    headers included on both sides), and against the raw fp16 bytes of the tokens.
@@ -110,17 +111,19 @@ def throughput(quick: bool) -> list[list[str]]:
         for level in LEVELS:
             s = make_store(level, layout)
             _append_seq(s, 0, k, v)  # warm: the pool and the allocator reach steady state
-            app, get, copy, fresh = [], [], [], []
+            app, get, into, copy, fresh = [], [], [], [], []
             for rep in range(1, reps + 1):
                 s.drop("m", rep - 1)  # steady state: one sequence live, as in a serving store
                 app.append(median_time(functools.partial(_append_seq, s, rep, k, v), 1))
                 get.append(median_time(functools.partial(s.get, "m", rep), 1))
+                into.append(median_time(functools.partial(s.get_into, "m", rep, dk, dv), 1))
                 copy.append(median_time(functools.partial(_copyto, dk, dv, k, v), 1))
                 fresh.append(median_time(functools.partial(_fresh_copy, k, v), 1))
-            a_s, g_s, c_s, f_s = (statistics.median(x) for x in (app, get, copy, fresh))
+            a_s, g_s, i_s, c_s, f_s = (statistics.median(x) for x in (app, get, into, copy, fresh))
             rows.append([
-                name, str(tokens), level, f"{gb / a_s:.2f}", f"{gb / g_s:.2f}", f"{gb / c_s:.2f}",
-                f"{gb / f_s:.2f}", f"{c_s / a_s:.2f}x", f"{c_s / g_s:.2f}x", f"{f_s / g_s:.2f}x",
+                name, str(tokens), level, f"{gb / a_s:.2f}", f"{gb / g_s:.2f}", f"{gb / i_s:.2f}",
+                f"{gb / c_s:.2f}", f"{gb / f_s:.2f}", f"{c_s / a_s:.2f}x", f"{c_s / g_s:.2f}x",
+                f"{c_s / i_s:.2f}x", f"{f_s / g_s:.2f}x",
             ])  # fmt: skip
             del s
     return rows
@@ -270,10 +273,12 @@ def main() -> None:
             "level",
             "append",
             "get",
+            "get_into (reused)",
             "copyto (reused)",
             "copy (fresh)",
             "append / copyto",
             "get / copyto",
+            "get_into / copyto",
             "get / fresh copy",
         ],
         throughput(args.quick),

@@ -57,9 +57,16 @@ from typing import Any
 
 import numpy as np
 
-from kvd import pages, store_seq
 from kvd import store_pool as sp
-from kvd.errors import ConfigError, InvalidArgument, LayoutMismatch, OutOfMemory, UnknownNamespace, UnknownSequence
+from kvd import store_seq
+from kvd.errors import (
+    ConfigError,
+    InvalidArgument,
+    LayoutMismatch,
+    OutOfMemory,
+    UnknownNamespace,
+    UnknownSequence,
+)
 from kvd.policy import Level
 from kvd.store_seq import RAW, Namespace, Seq, SeqId, int_arg, int_tuple, refuse_nonfinite, seq_id_arg
 
@@ -70,16 +77,6 @@ DEFAULT_SINK_TOKENS = 4
 DEFAULT_WINDOW_TOKENS = 0
 EIGHT_BIT_FORMATS = ("q8", "fp8_e4m3", "fp8_e5m2")
 MAX_EPOCH = 2**63 - 1
-
-
-def _rows_contiguous(a: np.ndarray) -> np.ndarray:
-    """``a`` ``[L, T, H, D]`` as is if every ``a[i, t0:t1]`` is C-contiguous (what a page encoder takes; true for
-    a token slice of a C-contiguous array, the usual chunked-append input), else a C-contiguous copy."""
-    item = a.itemsize
-    _, _, h, d = a.shape
-    if a.strides[1:] == (h * d * item, d * item, item):
-        return a
-    return np.ascontiguousarray(a)
 
 
 class Store:
@@ -213,7 +210,7 @@ class Store:
         with self._lock:
             ns = self._namespace(namespace)
             key = (ns.name, seq_id_arg(seq_id))
-            k16, v16 = self._check_kv(ns, keys, values)
+            k16, v16 = store_seq.check_kv(ns, keys, values)
             seq = self._seqs.get(key)
             if k16.shape[1] == 0:
                 if seq is None:
@@ -223,28 +220,6 @@ class Store:
             self._seqs.move_to_end(key)
             self._appends += 1
             return seq.length
-
-    def _check_kv(self, ns: Namespace, keys: object, values: object) -> tuple[np.ndarray, np.ndarray]:
-        arrays = []
-        for name, x in (("keys", keys), ("values", values)):
-            a = np.asarray(x)
-            if a.ndim != 4 or a.shape[0] != ns.layers or a.shape[2:] != (ns.heads, ns.head_dim):
-                raise LayoutMismatch(
-                    f"{name} must be [L={ns.layers}, T, H={ns.heads}, D={ns.head_dim}] for namespace "
-                    f"{ns.name!r}, got shape {a.shape}"
-                )
-            arrays.append(a)
-        if arrays[0].shape != arrays[1].shape:
-            raise LayoutMismatch(f"keys {arrays[0].shape} and values {arrays[1].shape} differ in shape")
-        return _rows_contiguous(pages.as_f16(arrays[0], "keys")), _rows_contiguous(
-            pages.as_f16(arrays[1], "values")
-        )
-
-    def _row_fmt(self, ns: Namespace, row: int, layer: int, out_rows: int) -> str:
-        """The format a page is sealed at: raw if protected (raw layer, sink, in the window), else the level's."""
-        if ns.raw_layer[layer] or row < self._sink_rows or row >= out_rows:
-            return RAW
-        return self._fmt
 
     def _loggable(self, ns: Namespace, row: int) -> bool:
         # Protected rows never get compaction; rows sealed at q4 (the top rung) never need it.
@@ -265,8 +240,8 @@ class Store:
         new_tail = f == 0 and f2 > 0
 
         # 1. what this append allocates at its peak (nothing is touched yet)
-        need = sum(ns.rec_bytes[self._row_fmt(ns, r, i, out2)] for r in rows for i in range(ns.layers))
-        need += len(rows) * ns.layers * sp.PAGE_META_BYTES
+        plans = [self._row_plan(ns, r, out2) for r in rows]
+        need = sum(plan.need for plan in plans)
         logged = [r for r in range(wd, out2) if self._loggable(ns, r)]
         need += sp.ROW_META_BYTES * len(logged)
         need += len(exits) * len(ns.quant_layers) * ns.rec_bytes[lf] if recode else 0
@@ -280,8 +255,8 @@ class Store:
         self._reserve(need, seq, key, t, validate)
 
         # 2. build everything off to the side
-        taken: sp.Taken = []
-        sealed: list[list[bytearray]] = []
+        taken = sp.Taken()
+        sealed: list[tuple[list[bytearray], store_seq.RowPlan]] = []
         swaps: list[tuple[int, int, bytearray]] = []
         tail = seq.tail if seq is not None else None
         keep = min(t, f2)  # the last `keep` input tokens end in the hot tail: checked here, copied below
@@ -294,19 +269,13 @@ class Store:
                 m = min(t, p - f)  # rows [f, f+m) of the tail are not visible until the length moves
                 np.copyto(tail[0, :, f : f + m], k16[:, :m])
                 np.copyto(tail[1, :, f : f + m], v16[:, :m])
-            for r in rows:
+            for r, plan in zip(rows, plans, strict=True):
                 if r == r0 and f:
                     assert tail is not None
                     src_k, src_v, a = tail[0], tail[1], 0
                 else:
                     src_k, src_v, a = k16, v16, r * p - n
-                recs = []
-                for i in range(ns.layers):
-                    fmt = self._row_fmt(ns, r, i, out2)
-                    held = fmt == RAW and r >= out2 and r >= sink_rows and not ns.raw_layer[i]
-                    recs.append(self._seal(ns, fmt, src_k[i, a : a + p], src_v[i, a : a + p], i, r, taken,
-                                           sp.FLAG_WINDOW if held else 0))  # fmt: skip
-                sealed.append(recs)
+                sealed.append((sp.seal_row(self._ledger.pool, plan.layers, src_k, src_v, a, p, r, taken), plan))
             for r in exits if recode else ():
                 assert seq is not None
                 for i in ns.quant_layers:
@@ -333,15 +302,18 @@ class Store:
             seq.pages[i][r] = rec
             seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=True)
             self._window_encodes += 1
-        for recs in sealed:
-            for i, rec in enumerate(recs):
-                seq.pages[i].append(rec)
-                seq.nbytes += self._ledger.add_page(rec)
+        for recs, plan in sealed:
+            for page_list, rec in zip(seq.pages, recs, strict=True):
+                page_list.append(rec)
+            self._ledger.add_pages(plan.counts, ns.layers)
+            seq.nbytes += plan.need
+        q = ns.quant_layers
         for r in range(wd, out2):  # rows now out of the window, oldest first: compaction candidates
-            if r >= sink_rows:
-                for i in ns.quant_layers:
-                    rec = seq.pages[i][r]
-                    ns.backlog[sp.current_fmt(rec)] += len(rec)
+            if r >= sink_rows and q:
+                # rows out of the window are not yet compacted, so every quantized layer of one holds the
+                # same format (and so the same record size)
+                rec = seq.pages[q[0]][r]
+                ns.backlog[sp.current_fmt(rec)] += len(rec) * len(q)
             if self._loggable(ns, r):
                 self._log.add(seq, r)
                 seq.nbytes += sp.ROW_META_BYTES
@@ -362,6 +334,15 @@ class Store:
         seq.length = n2
         self._tokens += t
         return seq
+
+    def _row_plan(self, ns: Namespace, row: int, out_rows: int) -> store_seq.RowPlan:
+        """How a row is sealed: raw if protected (sink; in the window, flagged as held there), else at the level
+        in force with raw layers raw."""
+        if row < self._sink_rows:
+            return ns.plan(RAW, 0, self._epoch)
+        if row >= out_rows:
+            return ns.plan(RAW, sp.FLAG_WINDOW, self._epoch)
+        return ns.plan(self._fmt, 0, self._epoch)
 
     def _seal(
         self, ns: Namespace, fmt: str, kp: np.ndarray, vp: np.ndarray, layer: int, row: int, taken: sp.Taken,
@@ -415,11 +396,27 @@ class Store:
     def _remove(self, key: tuple[str, SeqId], *, pool: bool) -> None:
         seq = self._seqs.pop(key)
         ns = seq.ns
+        # one pass tallying (format code -> pages, bytes), then one ledger update: the per-page cost of a drop
+        off, lo, hi = sp.CUR_FMT_FROM_END, self._sink_rows, seq.window_done
+        tally: dict[int, list[int]] = {}
+        backlog: dict[int, int] = {}
+        give = self._ledger.pool.give_record if pool else None
         for i, recs in enumerate(seq.pages):
+            eligible = not ns.raw_layer[i]
             for r, rec in enumerate(recs):
-                if self._sink_rows <= r < seq.window_done and not ns.raw_layer[i]:
-                    ns.backlog[sp.current_fmt(rec)] -= len(rec)
-                self._ledger.remove_page(rec, pool=pool)
+                code, size = rec[-off], len(rec)
+                t = tally.get(code)
+                if t is None:
+                    t = tally[code] = [0, 0]
+                t[0] += 1
+                t[1] += size
+                if eligible and lo <= r < hi:
+                    backlog[code] = backlog.get(code, 0) + size
+                if give is not None:
+                    give(rec)
+        for code, size in backlog.items():
+            ns.backlog[sp.FMT_NAME[code]] -= size
+        self._ledger.remove_pages({sp.FMT_NAME[c]: (n, b) for c, (n, b) in tally.items()})
         if seq.tail is not None:
             self._ledger.remove_tail(seq.tail, pool=pool)
         self._ledger.meta_bytes -= ns.seq_meta
@@ -450,7 +447,40 @@ class Store:
             s, e, lay = store_seq.check_range(seq, start, end, layers)
             self._seqs.move_to_end(seq.key)
             self._gets += 1
-            return store_seq.read(seq, s, e, lay, self.page_tokens)
+            ns = seq.ns
+            keys = np.empty((len(lay), e - s, ns.heads, ns.head_dim), np.float16)
+            values = np.empty_like(keys)
+            store_seq.read_into(seq, s, e, lay, self.page_tokens, keys, values)
+            return keys, values
+
+    def get_into(
+        self,
+        namespace: str,
+        seq_id: SeqId,
+        keys_out: np.ndarray,
+        values_out: np.ndarray,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> int:
+        """Like :meth:`get`, but decode into caller buffers (no allocation, no page faults when they are reused):
+        ``keys_out`` / ``values_out`` are writable float16 ndarrays ``[L', T, H, D]`` with ``T >= end - start``,
+        each layer C-contiguous (a C-contiguous array is); tokens ``[start, end)`` land in ``[:, :end - start]``
+        and the rest is left as it was. Returns ``end - start``, the tokens written. Raises what :meth:`get`
+        raises, and InvalidArgument (naming the buffer) for a wrong type, dtype, shape, layout, a read-only
+        buffer, or the two buffers overlapping; nothing is written then."""
+        with self._lock:
+            seq = self._sequence(namespace, seq_id)
+            s, e, lay = store_seq.check_range(seq, start, end, layers)
+            ns = seq.ns
+            k = store_seq.check_out(keys_out, "keys_out", len(lay), e - s, ns.heads, ns.head_dim)
+            v = store_seq.check_out(values_out, "values_out", len(lay), e - s, ns.heads, ns.head_dim)
+            if np.may_share_memory(k, v):
+                raise InvalidArgument("keys_out and values_out overlap")
+            self._seqs.move_to_end(seq.key)
+            self._gets += 1
+            store_seq.read_into(seq, s, e, lay, self.page_tokens, k, v)
+            return e - s
 
     def get_pages(
         self,
@@ -528,7 +558,7 @@ class Store:
     def _recompress(self, seq: Seq, layer: int, row: int, old: bytearray) -> None:
         ns, fmt = seq.ns, self._fmt
         kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
-        taken: sp.Taken = []
+        taken = sp.Taken()
         try:
             rec = self._seal(ns, fmt, kp, vp, layer, row, taken, 0)
         except BaseException:

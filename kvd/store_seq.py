@@ -10,14 +10,14 @@ changes state, and the lock, stays in :class:`kvd.store.Store`.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvd import pages
 from kvd import store_pool as sp
-from kvd.errors import ConfigError, InvalidArgument, KvdError, NonFiniteError
+from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch, NonFiniteError
 
 RAW = "fp16"
 
@@ -58,6 +58,34 @@ def seq_id_arg(seq_id: object) -> SeqId:
     raise InvalidArgument(f"seq_id must be a str or a non-negative int, got {type(seq_id).__name__} {seq_id!r}")
 
 
+def rows_contiguous(a: np.ndarray) -> np.ndarray:
+    """``a`` ``[L, T, H, D]`` as is if every ``a[i, t0:t1]`` is C-contiguous (what a page encoder takes; true for
+    a token slice of a C-contiguous array, the usual chunked-append input), else a C-contiguous copy."""
+    item = a.itemsize
+    _, _, h, d = a.shape
+    if a.strides[1:] == (h * d * item, d * item, item):
+        return a
+    return np.ascontiguousarray(a)
+
+
+def check_kv(ns: Namespace, keys: object, values: object) -> tuple[np.ndarray, np.ndarray]:
+    """``keys`` and ``values`` of an append as float16 ``[L, T, H, D]`` arrays whose every ``[i, t0:t1]`` is
+    C-contiguous; LayoutMismatch / InvalidArgument / NonFiniteError (float32 beyond the float16 range) naming
+    the bad value."""
+    arrays = []
+    for name, x in (("keys", keys), ("values", values)):
+        a = np.asarray(x)
+        if a.ndim != 4 or a.shape[0] != ns.layers or a.shape[2:] != (ns.heads, ns.head_dim):
+            raise LayoutMismatch(
+                f"{name} must be [L={ns.layers}, T, H={ns.heads}, D={ns.head_dim}] for namespace "
+                f"{ns.name!r}, got shape {a.shape}"
+            )
+        arrays.append(a)
+    if arrays[0].shape != arrays[1].shape:
+        raise LayoutMismatch(f"keys {arrays[0].shape} and values {arrays[1].shape} differ in shape")
+    return rows_contiguous(pages.as_f16(arrays[0], "keys")), rows_contiguous(pages.as_f16(arrays[1], "values"))
+
+
 def refuse_nonfinite(a: np.ndarray, name: str, t0: int) -> None:
     """Raise NonFiniteError naming the first NaN/Inf of float16 ``a`` ``[L, T, H, D]`` (tokens offset by t0)."""
     bad = (a.view(np.uint16) & 0x7FFF) >= 0x7C00
@@ -68,13 +96,42 @@ def refuse_nonfinite(a: np.ndarray, name: str, t0: int) -> None:
         )
 
 
+class RowPlan:
+    """How one row of pages (every layer) is sealed: per layer ``(format, record bytes, key page bytes, value
+    page bytes, raw heads, trailer)``; ``rec_bytes`` the records' total, ``need`` that plus their metadata
+    charge, ``counts`` the ``(format, pages, bytes)`` totals for the ledger."""
+
+    __slots__ = ("layers", "rec_bytes", "need", "counts")
+
+    def __init__(self, ns: Namespace, fmt: str, flags: int, epoch: int) -> None:
+        layers = []
+        counts: dict[str, list[int]] = {}
+        for i in range(ns.layers):
+            f = RAW if ns.raw_layer[i] else fmt
+            fl = flags if not ns.raw_layer[i] else 0
+            kb, vb = ns.page_bytes[f]
+            size = ns.rec_bytes[f]
+            rh = () if f == RAW else ns.raw_heads
+            layers.append((f, size, kb, vb, rh, sp.trailer_bytes(sealed_epoch=epoch, sealed_fmt=f, flags=fl)))
+            c = counts.setdefault(f, [0, 0])
+            c[0] += 1
+            c[1] += size
+        self.layers = tuple(layers)
+        self.rec_bytes = sum(x[1] for x in layers)
+        self.need = self.rec_bytes + sp.PAGE_META_BYTES * ns.layers
+        self.counts = tuple((f, n, nb) for f, (n, nb) in counts.items())
+
+
+_MAX_PLANS = 64  # plans are cached per (format, flags, epoch): a bound against ever-new epochs
+
+
 class Namespace:
     """A registered layout with its byte sizes: ``page_bytes[fmt] = (key page, value page)``, ``rec_bytes[fmt]``
     (both pages + trailer), the hot tail's shape and size, and the compaction backlog of its sequences."""
 
     __slots__ = (
         "name", "layers", "heads", "head_dim", "quant_layers", "raw_layer", "raw_heads", "page_bytes",
-        "rec_bytes", "tail_shape", "tail_bytes", "seq_meta", "sequences", "backlog",
+        "rec_bytes", "tail_shape", "tail_bytes", "seq_meta", "sequences", "backlog", "_plans", "sizes_by_code",
     )  # fmt: skip
 
     def __init__(
@@ -100,12 +157,26 @@ class Namespace:
             vb = pages.nbytes(fmt, page_tokens, heads, head_dim, role="value", raw_heads=rh)
             self.page_bytes[fmt] = (kb, vb)
             self.rec_bytes[fmt] = kb + vb + sp.TRAILER_BYTES
+        # page_bytes by the format code a record's trailer holds (sp.FMT_CODE order), for the read loop
+        self.sizes_by_code = tuple(self.page_bytes[fmt] for fmt in pages.LEVELS)
         self.tail_shape = (2, layers, page_tokens, heads, head_dim)
         self.tail_bytes = 2 * layers * page_tokens * heads * head_dim * 2
         self.seq_meta = sp.SEQ_META_BYTES + sp.LAYER_META_BYTES * layers
         self.sequences = 0
         # bytes of compaction-eligible records (unprotected, out of the window) by their current format
         self.backlog = dict.fromkeys(pages.LEVELS, 0)
+        self._plans: dict[tuple[str, int, int], RowPlan] = {}
+
+    def plan(self, fmt: str, flags: int, epoch: int) -> RowPlan:
+        """The :class:`RowPlan` of a row sealed at ``fmt`` (raw layers stay fp16) with trailer ``flags`` (not
+        given to raw layers) under ``epoch``."""
+        key = (fmt, flags, epoch)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            plan = self._plans[key] = RowPlan(self, fmt, flags, epoch)
+        return plan
 
 
 class Seq:
@@ -149,32 +220,59 @@ def check_range(seq: Seq, start: object, end: object, layers: object) -> tuple[i
     return s, e, out
 
 
-def read(seq: Seq, s: int, e: int, lay: list[int], p: int) -> tuple[np.ndarray, np.ndarray]:
-    """Decode tokens ``[s, e)`` of layers ``lay`` into new float16 arrays ``[len(lay), e - s, H, D]``: pages
-    lying fully inside the range straight into the output, partial ones through a scratch page."""
+def check_out(out: object, name: str, layers: int, tokens: int, h: int, d: int) -> np.ndarray:
+    """A caller's output buffer for :meth:`kvd.store.Store.get_into`: a writable float16 ndarray
+    ``[layers, T >= tokens, h, d]`` whose every layer is C-contiguous (a C-contiguous array is); else
+    InvalidArgument naming what is wrong."""
+    if not isinstance(out, np.ndarray):
+        raise InvalidArgument(f"{name} must be a numpy float16 array, got {type(out).__name__}")
+    if out.dtype != np.float16:
+        raise InvalidArgument(f"{name} must be float16, got {out.dtype}")
+    if out.ndim != 4 or out.shape[0] != layers or out.shape[1] < tokens or out.shape[2:] != (h, d):
+        raise InvalidArgument(f"{name} must have shape [{layers}, T >= {tokens}, {h}, {d}], got {out.shape}")
+    if not out.flags.writeable:
+        raise InvalidArgument(f"{name} is read-only")
+    if out.size and out.strides[1:] != (h * d * 2, d * 2, 2):
+        raise InvalidArgument(f"{name} must be C-contiguous within each layer, got strides {out.strides}")
+    return out
+
+
+def read_into(seq: Seq, s: int, e: int, lay: Sequence[int], p: int, keys: np.ndarray, values: np.ndarray) -> None:
+    """Decode tokens ``[s, e)`` of layers ``lay`` into ``keys[j, :e - s]`` / ``values[j, :e - s]`` (buffers
+    checked by :func:`check_out`): pages lying fully inside the range straight into the output, partial ones
+    through a scratch page."""
     ns = seq.ns
-    keys = np.empty((len(lay), e - s, ns.heads, ns.head_dim), np.float16)
-    values = np.empty_like(keys)
-    sealed_end = len(seq.pages[0]) * p
+    sizes, off = ns.sizes_by_code, sp.CUR_FMT_FROM_END
+    decode_into = pages.decode_into
+    n_sealed = len(seq.pages[0])
+    sealed_end = n_sealed * p
+    r_lo, r_hi = s // p, min(-(-e // p), n_sealed)
+    full_lo = -(-s // p)  # rows [full_lo, full_hi) lie fully inside [s, e)
+    full_hi = min(e // p, n_sealed)
     scratch: np.ndarray | None = None
     for j, i in enumerate(lay):
-        for r in range(s // p, min(-(-e // p), sealed_end // p)):
+        recs = seq.pages[i]
+        kj, vj = keys[j], values[j]
+        for r in range(r_lo, r_hi):
+            rec = recs[r]
+            kb, vb = sizes[rec[-off]]
+            mv = memoryview(rec)
             a = r * p
+            if full_lo <= r < full_hi:
+                decode_into(mv[:kb], kj[a - s : a - s + p])
+                decode_into(mv[kb : kb + vb], vj[a - s : a - s + p])
+                continue
             lo, hi = max(a, s), min(a + p, e)
-            for buf, dst in zip(seq.record_pages(i, r), (keys, values), strict=True):
-                if lo == a and hi == a + p:
-                    pages.decode_into(buf, dst[j, lo - s : hi - s])
-                else:
-                    if scratch is None:
-                        scratch = np.empty((p, ns.heads, ns.head_dim), np.float16)
-                    pages.decode_into(buf, scratch)
-                    dst[j, lo - s : hi - s] = scratch[lo - a : hi - a]
+            if scratch is None:
+                scratch = np.empty((p, ns.heads, ns.head_dim), np.float16)
+            for buf, dst in ((mv[:kb], kj), (mv[kb : kb + vb], vj)):
+                decode_into(buf, scratch)
+                dst[lo - s : hi - s] = scratch[lo - a : hi - a]
         if e > sealed_end:
             assert seq.tail is not None
             lo = max(s, sealed_end)
-            keys[j, lo - s :] = seq.tail[0, i, lo - sealed_end : e - sealed_end]
-            values[j, lo - s :] = seq.tail[1, i, lo - sealed_end : e - sealed_end]
-    return keys, values
+            kj[lo - s : e - s] = seq.tail[0, i, lo - sealed_end : e - sealed_end]
+            vj[lo - s : e - s] = seq.tail[1, i, lo - sealed_end : e - sealed_end]
 
 
 def page_entries(seq: Seq, s: int, e: int, lay: list[int], p: int) -> list[tuple[int, int, bytes, bytes]]:

@@ -109,6 +109,66 @@ def test_get_ranges_and_layers_match_the_whole(level: str) -> None:
             np.testing.assert_array_equal(bits(av), bits(gv))
 
 
+@pytest.mark.parametrize("level", ["fp16", "q8", "q4"])
+def test_get_into_writes_what_get_returns_into_reused_buffers(level: str) -> None:
+    s = store(layers=3)
+    s.set_level(level, 1)
+    k, v = kv(3, 250, 3, 64, seed=4)
+    s.append(NS, 7, k, v)
+    sentinel = np.float16(-7.5)
+    both = np.full((2, 3, 300, 3, 64), sentinel, np.float16)  # oversized in T; keys and values in one array
+    ko, vo = both[0], both[1]
+    gets = s.stats()["gets"]
+    cases = [(0, 250, None), (64, 128, [2]), (63, 65, [2, 0]), (10, 11, [1, 2, 0]), (5, 5, None), (200, 250, None)]
+    for start, end, layers in cases:
+        n_lay = 3 if layers is None else len(layers)
+        ko.fill(sentinel)
+        vo.fill(sentinel)
+        n = s.get_into(NS, 7, ko[:n_lay], vo[:n_lay], start, end, layers)
+        assert n == end - start
+        gk, gv = s.get(NS, 7, start, end, layers)
+        np.testing.assert_array_equal(bits(ko[:n_lay, :n]), bits(gk))
+        np.testing.assert_array_equal(bits(vo[:n_lay, :n]), bits(gv))
+        assert (ko[:n_lay, n:] == sentinel).all() and (vo[:n_lay, n:] == sentinel).all()  # the rest untouched
+        assert (ko[n_lay:] == sentinel).all() and (vo[n_lay:] == sentinel).all()
+    assert s.stats()["gets"] == gets + 2 * len(cases)
+    exact_k, exact_v = np.empty((3, 250, 3, 64), np.float16), np.empty((3, 250, 3, 64), np.float16)
+    assert s.get_into(NS, 7, exact_k, exact_v) == 250  # end defaults to the length
+    np.testing.assert_array_equal(bits(exact_v), bits(s.get(NS, 7)[1]))
+
+
+def test_get_into_refuses_bad_buffers_and_writes_nothing() -> None:
+    s = store()
+    k, v = kv(2, 100, 3, 64)
+    s.append(NS, 1, k, v)
+    good = np.zeros((2, 100, 3, 64), np.float16)
+    ro = np.zeros((2, 100, 3, 64), np.float16)
+    ro.flags.writeable = False
+    bad: list[tuple[object, str]] = [
+        ([[0.0]], "numpy float16 array"),
+        (np.zeros((2, 100, 3, 64), np.float32), "float32"),
+        (np.zeros((3, 100, 3, 64), np.float16), r"\[2, T >= 100, 3, 64\].*\(3, 100, 3, 64\)"),
+        (np.zeros((2, 99, 3, 64), np.float16), r"T >= 100"),
+        (np.zeros((2, 100, 4, 64), np.float16), r"\(2, 100, 4, 64\)"),
+        (np.zeros((2, 100, 3), np.float16), r"\(2, 100, 3\)"),
+        (ro, "read-only"),
+        (np.zeros((2, 200, 3, 64), np.float16)[:, ::2], "C-contiguous"),
+        (np.zeros((2, 100, 3, 64), np.float16, order="F"), "C-contiguous"),
+    ]
+    for buf, match in bad:
+        for name, args in (("keys_out", (buf, good)), ("values_out", (good, buf))):
+            with pytest.raises(InvalidArgument, match=name + ".*" + match):
+                s.get_into(NS, 1, *args)
+            assert not good.any()  # the good buffer was not written either
+    with pytest.raises(InvalidArgument, match="overlap"):
+        s.get_into(NS, 1, good, good)
+    with pytest.raises(InvalidArgument, match="101"):
+        s.get_into(NS, 1, good, good.copy(), 0, 101)
+    with pytest.raises(UnknownSequence):
+        s.get_into(NS, 2, good, good.copy())
+    assert not good.any()
+
+
 def test_get_pages_are_the_stored_pages_and_the_tail_is_an_fp16_page() -> None:
     s = store(layers=1)
     s.set_level("q8", 1)
