@@ -13,7 +13,6 @@ end-to-end model damage tracks it: KL ~ 2.9 * eps_O^2. The sample is found throu
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,44 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvd import kernels, pages  # noqa: E402
 from kvd import kernels_ref as ref  # noqa: E402
+from kvd.evaluate import N_QUERIES, eps_o, load_sample  # noqa: E402
 
 TARGETS = {"q8": 0.013, "fp8_e4m3": 0.05, "q4": 0.09}
-N_QUERIES = 256
-
-
-def sample_path() -> Path:
-    env = os.environ.get("KVD_SAMPLE")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "smollm2_kv_sample.npz"
-
-
-def load_sample(path: Path | None = None) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray]], str]:
-    """[(q [T, Hq, D], k [T, H, D], v [T, H, D]) per layer] float16, and the sample's meta string."""
-    data = np.load(path or sample_path(), allow_pickle=False)
-    n = sum(1 for k in data.files if k.endswith("_v"))
-    return [(data[f"L{i}_q"], data[f"L{i}_k"], data[f"L{i}_v"]) for i in range(n)], str(data["meta"])
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_queries: int = N_QUERIES) -> np.ndarray:
-    """Causal grouped-query attention of the last ``n_queries`` queries, float64: [n_queries, Hq, D]."""
-    t, hq, d = q.shape
-    g = hq // k.shape[1]
-    qq = q[-n_queries:].astype(np.float64).transpose(1, 0, 2)  # [Hq, nq, D]
-    kk = np.repeat(k.astype(np.float64), g, axis=1).transpose(1, 0, 2)  # [Hq, T, D]
-    vv = np.repeat(v.astype(np.float64), g, axis=1).transpose(1, 0, 2)
-    s = qq @ kk.transpose(0, 2, 1) / np.sqrt(d)  # [Hq, nq, T]
-    pos = np.arange(t - n_queries, t)
-    s[:, np.arange(t)[None, :] > pos[:, None]] = -np.inf
-    s -= s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return (p @ vv).transpose(1, 0, 2)
-
-
-def eps_o(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: np.ndarray, v_hat: np.ndarray) -> float:
-    o = attention(q, k, v)
-    return float(np.linalg.norm(attention(q, k_hat, v_hat) - o) / np.linalg.norm(o))
 
 
 def paged(x: np.ndarray, page_tokens: int, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:

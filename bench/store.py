@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -35,19 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvd import kernels  # noqa: E402
 from kvd import store_pool as sp  # noqa: E402
+from kvd.evaluate import attention, sample_path  # noqa: E402
 from kvd.store import Store  # noqa: E402
 
 GiB = 1 << 30
 LEVELS = ("fp16", "q8", "fp8_e4m3", "q4")
 LAYOUTS = {"sample (30x3x64)": (30, 3, 64), "7B-class (32x8x128)": (32, 8, 128)}
 CHUNK = 512
-
-
-def sample_path() -> Path:
-    env = os.environ.get("KVD_SAMPLE")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "smollm2_kv_sample.npz"
 
 
 def make_store(level: str, layout: tuple[int, int, int], capacity: int = 64 * GiB, **opts) -> Store:
@@ -194,19 +187,6 @@ def recompression(quick: bool) -> list[list[str]]:
 
 
 # ------------------------------------------------------------------------------------------ 4. attention error
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_queries: int = 256) -> np.ndarray:
-    """Causal grouped-query attention output of the last ``n_queries`` queries, float64 ``[Hq, nq, D]``."""
-    t, hq, d = q.shape
-    g = hq // k.shape[1]
-    qq = q[-n_queries:].astype(np.float64).transpose(1, 0, 2)
-    kk = np.repeat(k.astype(np.float64), g, axis=1).transpose(1, 0, 2)
-    vv = np.repeat(v.astype(np.float64), g, axis=1).transpose(1, 0, 2)
-    s = qq @ kk.transpose(0, 2, 1) / np.sqrt(d)
-    s[:, np.arange(t)[None, :] > np.arange(t - n_queries, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    return (p / p.sum(axis=-1, keepdims=True)) @ vv
 
 
 def attention_error(quick: bool) -> list[list[str]] | None:

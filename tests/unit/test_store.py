@@ -3,9 +3,7 @@ and real KV through the store at every level."""
 
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -20,6 +18,7 @@ from kvd.errors import (
     UnknownNamespace,
     UnknownSequence,
 )
+from kvd.evaluate import attention, sample_path
 from kvd.policy import Level
 from kvd.store import Store
 
@@ -556,24 +555,6 @@ def test_stats_can_be_read_from_another_thread_while_appending() -> None:
 
 
 # ------------------------------------------------------------------------------------------ real KV
-
-
-def sample_path() -> Path:
-    env = os.environ.get("KVD_SAMPLE")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared/data/smollm2_kv_sample.npz"
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_queries: int = 256) -> np.ndarray:
-    """Causal grouped-query attention output of the last n_queries queries, float64 [Hq, nq, D]."""
-    t, hq, d = q.shape
-    g = hq // k.shape[1]
-    qq = q[-n_queries:].astype(np.float64).transpose(1, 0, 2)
-    kk = np.repeat(k.astype(np.float64), g, axis=1).transpose(1, 0, 2)
-    vv = np.repeat(v.astype(np.float64), g, axis=1).transpose(1, 0, 2)
-    s = qq @ kk.transpose(0, 2, 1) / np.sqrt(d)
-    s[:, np.arange(t)[None, :] > np.arange(t - n_queries, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    return (p / p.sum(axis=-1, keepdims=True)) @ vv
 
 
 @pytest.fixture(scope="module")
