@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvd import kernels
+from kvd.pages import GROUPS
 
 T, H, D = 64, 8, 128
 LEVELS = ("fp16", "q8", "fp8_e4m3", "fp8_e5m2", "q4")
@@ -58,7 +59,9 @@ def level_ops(impl, level: str, keys: np.ndarray, values: np.ndarray, args: argp
     vx = values.reshape(pages, T * H, D)  # rows view of each value page
     kout = np.empty_like(kx)
     vout = np.empty_like(vx)
-    gr, gc = args.row_group, args.col_group
+    # the codec's groups for this level (kvd.pages.GROUPS) unless overridden on the command line
+    gr = args.row_group or GROUPS.get(level, 32)
+    gc = args.col_group or GROUPS.get(level, 32)
 
     if level == "fp16":
         kdst, vdst = np.empty_like(kx), np.empty_like(vx)
@@ -96,7 +99,7 @@ def level_ops(impl, level: str, keys: np.ndarray, values: np.ndarray, args: argp
 
     if level.startswith("fp8"):
         fmt = 0 if level == "fp8_e4m3" else 1
-        g = args.fp8_group
+        g = args.fp8_group or GROUPS[level]
         kx2 = keys.reshape(pages, T * H, D)
         kout2 = kout.reshape(pages, T * H, D)
         kc, ks = np.empty(kx2.shape, np.uint8), np.empty((pages, T * H, -(-D // g)), np.float16)
@@ -148,9 +151,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--backends", default=",".join(kernels.available()))
     parser.add_argument("--levels", default=",".join(LEVELS))
-    parser.add_argument("--row-group", type=int, default=32, help="q8/q4 value groups along head_dim")
-    parser.add_argument("--col-group", type=int, default=64, help="q8/q4 key groups along the tokens")
-    parser.add_argument("--fp8-group", type=int, default=128, help="fp8 groups along head_dim (128 = per row)")
+    parser.add_argument(
+        "--row-group", type=int, default=0, help="q8/q4 value groups along head_dim (default: codec's)"
+    )
+    parser.add_argument(
+        "--col-group", type=int, default=0, help="q8/q4 key groups along the tokens (default: codec's)"
+    )
+    parser.add_argument("--fp8-group", type=int, default=0, help="fp8 groups along head_dim (default: codec's)")
     parser.add_argument("--reference-mib", type=int, default=8, help="the numpy reference runs on fewer MiB")
     args = parser.parse_args()
 
@@ -176,7 +183,8 @@ def main() -> None:
         f"default backend {kernels.BACKEND}"
     )
     print(
-        f"groups: rows {args.row_group}, columns {args.col_group}, fp8 {args.fp8_group}; copyto = numpy.copyto of "
+        f"groups: {args.row_group or 'codec'} / {args.col_group or 'codec'} / {args.fp8_group or 'codec'} "
+        f"({', '.join(f'{k} {v}' for k, v in GROUPS.items() if v)}); copyto = numpy.copyto of "
         f"the same {nbytes >> 20} MiB, timed in the same rounds as the row"
     )
     print()

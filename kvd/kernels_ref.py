@@ -81,9 +81,15 @@ def _check_out(a: np.ndarray, name: str, dtype: type, shape: tuple[int, ...], *,
         raise InvalidArgument(f"{name} must be writable")
 
 
-def _check_group(group: int) -> None:
-    if not isinstance(group, (int, np.integer)) or isinstance(group, bool) or not 1 <= group <= 65535:
+def _check_out_matrix(out: np.ndarray) -> None:
+    if not isinstance(out, np.ndarray) or out.ndim != 2:
+        raise InvalidArgument(f"out must be a 2-D numpy array, got {getattr(out, 'shape', type(out).__name__)}")
+
+
+def _check_group(group: int) -> int:
+    if not isinstance(group, (int, np.integer)) or isinstance(group, bool) or not 1 <= int(group) <= 65535:
         raise InvalidArgument(f"group must be an integer in [1, 65535], got {group!r}")
+    return int(group)  # a numpy unsigned group would otherwise overflow in -(-n // group)
 
 
 def _check_fmt(fmt: int) -> None:
@@ -191,11 +197,20 @@ def f32_to_fp8(y: np.ndarray, fmt: int) -> np.ndarray:
 # group reductions: rows -> groups along axis 1; columns are handled by transposing views
 
 
+def _ordered_key(v: np.ndarray) -> np.ndarray:
+    """int32 keys of finite float32 values that order like the floats with -0.0 < +0.0 (an involution)."""
+    k = v.view(np.int32)
+    return k ^ ((k >> 31) & np.int32(0x7FFFFFFF))
+
+
 def _group_reduce(xf: np.ndarray, group: int, fn: np.ufunc) -> np.ndarray:
-    """fn.reduce over groups along axis 1 of a float32 [N, D] matrix -> [N, ceil(D/group)]."""
-    n, d = xf.shape
-    starts = np.arange(0, d, group)
-    return fn.reduceat(xf, starts, axis=1)
+    """fn.reduce over groups along axis 1 of a float32 [N, D] matrix -> [N, ceil(D/group)].
+
+    Reduced on integer keys, so a group holding both zeros has min -0.0 and max +0.0 (numpy's float min/max
+    return either zero, depending on their SIMD order; the compiled kernels order -0.0 below +0.0)."""
+    starts = np.arange(0, xf.shape[1], group)
+    keys = fn.reduceat(_ordered_key(np.ascontiguousarray(xf, dtype=_F32)), starts, axis=1)
+    return _ordered_key(keys).view(_F32)
 
 
 def _expand(g: np.ndarray, d: int, group: int) -> np.ndarray:
@@ -230,7 +245,7 @@ def _q8_encode(xf: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
 def q8_encode_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: int) -> None:
     """int8 codes [N, D] and float16 scales [N, ceil(D/group)] of x [N, D] (groups along each row)."""
     _check_input(x)
-    _check_group(group)
+    group = _check_group(group)
     n, d = x.shape
     _check_out(codes, "codes", np.int8, (n, d))
     _check_out(scales, "scales", np.float16, (n, _ngroups(d, group)))
@@ -242,7 +257,8 @@ def q8_encode_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: 
 
 def q8_decode_rows(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, group: int) -> None:
     """out [N, D] float16 = codes * scales (inverse of q8_encode_rows)."""
-    _check_group(group)
+    _check_out_matrix(out)
+    group = _check_group(group)
     n, d = out.shape
     _check_out(codes, "codes", np.int8, (n, d), writable=False)
     _check_out(scales, "scales", np.float16, (n, _ngroups(d, group)), writable=False)
@@ -253,7 +269,7 @@ def q8_decode_rows(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, group
 def q8_encode_cols(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: int) -> None:
     """int8 codes [T, C] and float16 scales [ceil(T/group), C] of x [T, C] (groups along each column)."""
     _check_input(x)
-    _check_group(group)
+    group = _check_group(group)
     t, c = x.shape
     _check_out(codes, "codes", np.int8, (t, c))
     _check_out(scales, "scales", np.float16, (_ngroups(t, group), c))
@@ -265,7 +281,8 @@ def q8_encode_cols(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: 
 
 def q8_decode_cols(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, group: int) -> None:
     """out [T, C] float16 = codes * scales (inverse of q8_encode_cols)."""
-    _check_group(group)
+    _check_out_matrix(out)
+    group = _check_group(group)
     t, c = out.shape
     _check_out(codes, "codes", np.int8, (t, c), writable=False)
     _check_out(scales, "scales", np.float16, (_ngroups(t, group), c), writable=False)
@@ -281,7 +298,7 @@ def q8_decode_cols(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, group
 def fp8_encode_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, group: int, fmt: int) -> None:
     """8-bit float codes [N, D] (uint8 bit patterns) and float16 scales [N, ceil(D/group)] of x [N, D]."""
     _check_input(x)
-    _check_group(group)
+    group = _check_group(group)
     _check_fmt(fmt)
     n, d = x.shape
     _check_out(codes, "codes", np.uint8, (n, d))
@@ -297,7 +314,8 @@ def fp8_encode_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, group:
 
 def fp8_decode_rows(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, group: int, fmt: int) -> None:
     """out [N, D] float16 = fp8(codes) * scales (inverse of fp8_encode_rows)."""
-    _check_group(group)
+    _check_out_matrix(out)
+    group = _check_group(group)
     _check_fmt(fmt)
     n, d = out.shape
     _check_out(codes, "codes", np.uint8, (n, d), writable=False)
@@ -349,7 +367,7 @@ def q4_encode_rows(
     With ``rotate`` (D a power of two) the row is first Hadamard-rotated: ``y = FWHT(x) * (1/D)``.
     """
     _check_input(x)
-    _check_group(group)
+    group = _check_group(group)
     n, d = x.shape
     _check_rotate(rotate, d)
     ng = _ngroups(d, group)
@@ -370,7 +388,8 @@ def q4_decode_rows(
     packed: np.ndarray, scales: np.ndarray, mins: np.ndarray, out: np.ndarray, group: int, rotate: bool
 ) -> None:
     """out [N, D] float16 = q * s + m, then FWHT if the rows were rotated (inverse of q4_encode_rows)."""
-    _check_group(group)
+    _check_out_matrix(out)
+    group = _check_group(group)
     n, d = out.shape
     _check_rotate(rotate, d)
     ng = _ngroups(d, group)
@@ -388,7 +407,7 @@ def q4_decode_rows(
 def q4_encode_cols(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray, group: int) -> None:
     """Packed 4-bit codes [T, ceil(C/2)], float16 scales and mins [ceil(T/group), C] of x [T, C]."""
     _check_input(x)
-    _check_group(group)
+    group = _check_group(group)
     t, c = x.shape
     ng = _ngroups(t, group)
     _check_out(packed, "packed", np.uint8, (t, (c + 1) // 2))
@@ -403,7 +422,8 @@ def q4_encode_cols(x: np.ndarray, packed: np.ndarray, scales: np.ndarray, mins: 
 
 def q4_decode_cols(packed: np.ndarray, scales: np.ndarray, mins: np.ndarray, out: np.ndarray, group: int) -> None:
     """out [T, C] float16 = q * s + m (inverse of q4_encode_cols)."""
-    _check_group(group)
+    _check_out_matrix(out)
+    group = _check_group(group)
     t, c = out.shape
     ng = _ngroups(t, group)
     _check_out(packed, "packed", np.uint8, (t, (c + 1) // 2), writable=False)

@@ -1,10 +1,8 @@
 """Every kernel backend against the numpy reference (kvd.kernels_ref), bit for bit.
 
-Outputs are compared as bit patterns (codes, scales, mins, decoded float16 via .view(uint16)). The single
-documented exception: for q4, a group whose (rotated) values hold both +0.0 and -0.0 may get a zero
-minimum / zero scale of the other sign, because numpy's min/max reductions pick either zero depending on
-their SIMD order (the compiled backends order -0.0 below +0.0, which matches numpy wherever numpy's answer is
-determined). Codes and decoded values never differ.
+Outputs are compared as bit patterns (codes, scales, mins, decoded float16 via .view(uint16)), with no
+exception: the reference reduces q4 minimums and maximums on order-preserving integer keys, so even a group
+holding both +0.0 and -0.0 has one answer (-0.0 below +0.0), which the compiled backends give too.
 """
 
 from __future__ import annotations
@@ -94,29 +92,9 @@ def decode(impl, level: str, enc: dict[str, np.ndarray], shape: tuple[int, int],
     return out
 
 
-def mixed_zero_groups(level: str, x: np.ndarray, group: int) -> np.ndarray:
-    """Per q4 group (shaped like its scales): do its values hold both +0.0 and -0.0?"""
-    y = x.astype(np.float32)
-    if level == "q4_rot":
-        y = ref.fwht_rows(y) * np.float32(1.0 / x.shape[1])
-    if level == "q4_cols":
-        y = np.ascontiguousarray(y.T)
-    pos = ((y == 0) & ~np.signbit(y)).astype(np.int8)
-    neg = ((y == 0) & np.signbit(y)).astype(np.int8)
-    starts = np.arange(0, y.shape[1], group)
-    both = (np.maximum.reduceat(pos, starts, axis=1) > 0) & (np.maximum.reduceat(neg, starts, axis=1) > 0)
-    return both.T if level == "q4_cols" else both
-
-
 def assert_same_encoding(level: str, x: np.ndarray, group: int, want: dict, got: dict, who: str) -> None:
     for key in want:
-        a, b = want[key], got[key]
-        if level.startswith("q4") and key in ("scales", "mins"):
-            amb = mixed_zero_groups(level, x, group)
-            assert np.array_equal(bits(a)[~amb], bits(b)[~amb]), f"{who}: {level} {key} differ"
-            assert np.array_equal(a[amb], b[amb]), f"{who}: {level} {key} differ beyond the sign of a zero"
-        else:
-            assert np.array_equal(bits(a), bits(b)), f"{who}: {level} {key} differ"
+        assert np.array_equal(bits(want[key]), bits(got[key])), f"{who}: {level} {key} differ"
 
 
 # ---------------------------------------------------------------------------------------------------------
