@@ -19,7 +19,9 @@ belong to other parts of kvd and are left alone here: ``KVD_KERNELS`` (kernel ba
 no path is given explicitly.
 
 This module is the only place in kvd that reads configuration from the environment or from files; it also
-keeps the small run notes `kvd up` leaves for `kvd status` and `kvd down` (:func:`write_run_file`).
+keeps the small run notes `kvd up` leaves for `kvd status` and `kvd down` (:func:`write_run_file`). The value
+parsers themselves (sizes, bounded numbers, choices, ...) are pure and live in :mod:`kvd.config_parsers`;
+:func:`parse_size` and :func:`format_size` are re-exported from here.
 """
 
 from __future__ import annotations
@@ -27,16 +29,31 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import os
-import re
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvd.config_parsers import (
+    GIB,
+    KIB,
+    MIB,
+    Parser,
+    choice,
+    format_size,
+    identifier,
+    int_tuple,
+    integer_in,
+    number_in,
+    optional,
+    parse_size,
+    port_range,
+    size_at_least,
+    text_value,
+)
 from kvd.errors import ConfigError
 from kvd.policy import PROFILES, Level, PolicyConfig
 
@@ -64,10 +81,6 @@ __all__ = [
     "remove_run_file",
 ]
 
-_KIB = 1024
-_MIB = 1024 * _KIB
-_GIB = 1024 * _MIB
-
 ENV_PREFIX = "KVD_"
 CONFIG_ENV = "KVD_CONFIG"
 # KVD_* variables owned by other modules: never reported as unknown settings.
@@ -76,185 +89,23 @@ FOREIGN_ENV = frozenset({"KVD_KERNELS", "KVD_SAMPLE", "KVD_PYTHON", CONFIG_ENV})
 # Default total memory of `kvd up`: a quarter of this machine's memory, capped, so a laptop keeps room for the
 # inference process itself; at least 64 MiB so that tiny containers still start.
 DEFAULT_MEMORY_FRACTION = 0.25
-DEFAULT_MEMORY_CAP_BYTES = 8 * _GIB
-DEFAULT_MEMORY_FLOOR_BYTES = 64 * _MIB
+DEFAULT_MEMORY_CAP_BYTES = 8 * GIB
+DEFAULT_MEMORY_FLOOR_BYTES = 64 * MIB
 DEFAULT_PORT = 7070
 
 # ------------------------------------------------------------------------------------------------ parsers
-
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
-_SIZE_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": _KIB, "kib": _KIB, "ki": _KIB, "kb": 1000,
-    "m": _MIB, "mib": _MIB, "mi": _MIB, "mb": 1000**2,
-    "g": _GIB, "gib": _GIB, "gi": _GIB, "gb": 1000**3,
-    "t": 1024 * _GIB, "tib": 1024 * _GIB, "ti": 1024 * _GIB, "tb": 1000**4,
-}
-
-
-def parse_size(value: object, *, name: str = "size") -> int:
-    """Bytes from an int or a string such as ``"8GiB"``, ``"512 MiB"``, ``"1.5G"``, ``"4096"``.
-
-    Binary units: ``KiB MiB GiB TiB`` (also ``Ki``/``K``, ``Mi``/``M``, ...); decimal: ``KB MB GB TB``; case is
-    ignored. Fractions are rounded to whole bytes. Raises :class:`ConfigError` (naming ``name``) for anything
-    else, including negative numbers and booleans.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a size such as 8GiB or 512MiB, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{name}: size must not be negative, got {value!r}")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value) or value < 0:
-            raise ConfigError(f"{name}: size must be a finite non-negative number, got {value!r}")
-        return int(round(value))
-    if not isinstance(value, str):
-        raise ConfigError(f"{name}: expected a size such as 8GiB or 512MiB, got {type(value).__name__} {value!r}")
-    match = _SIZE_RE.match(value)
-    unit_factor = _SIZE_UNITS.get(match.group(2).lower()) if match else None
-    if match is None or unit_factor is None:
-        raise ConfigError(
-            f"{name}: cannot read {value!r} as a size; use bytes or a unit: KiB MiB GiB TiB (binary), "
-            "KB MB GB TB (decimal)"
-        )
-    return int(round(float(match.group(1)) * unit_factor))
-
-
-def format_size(n_bytes: float) -> str:
-    """``n_bytes`` in binary units for people: ``"1.50 GiB"``, ``"512.00 MiB"``, ``"17 B"``."""
-    n = float(n_bytes)
-    for unit, factor in (("TiB", 1024 * _GIB), ("GiB", _GIB), ("MiB", _MIB), ("KiB", _KIB)):
-        if abs(n) >= factor:
-            return f"{n / factor:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-Parser = Callable[[str, object], Any]
-
-
-def _int(low: int, high: int | None = None) -> Parser:
-    def parse(name: str, value: object) -> int:
-        if isinstance(value, str):
-            try:
-                value = int(value.strip(), 10)
-            except ValueError:
-                raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-        if value < low or (high is not None and value > high):
-            bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-            raise ConfigError(f"{name}: must be {bound}, got {value!r}")
-        return value
-
-    return parse
-
-
-def _opt(parse: Parser) -> Parser:
-    """Also accept "" / "none" / "default" (from env or TOML) as None: use the built-in default."""
-
-    def parse_opt(name: str, value: object) -> Any:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "default")):
-            return None
-        return parse(name, value)
-
-    return parse_opt
-
-
-def _float(low: float, high: float | None = None, *, open_low: bool = False) -> Parser:
-    def parse(name: str, value: object) -> float:
-        if isinstance(value, str):
-            try:
-                value = float(value.strip())
-            except ValueError:
-                raise ConfigError(f"{name}: expected a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
-        number = float(value)
-        too_low = number <= low if open_low else number < low
-        if not math.isfinite(number) or too_low or (high is not None and number > high):
-            lo = f"({low}" if open_low else f"[{low}"
-            bound = f"{lo}, {high}]" if high is not None else (f"> {low}" if open_low else f">= {low}")
-            raise ConfigError(f"{name}: must be in {bound}, got {value!r}")
-        return number
-
-    return parse
-
-
-def _size(minimum: int) -> Parser:
-    def parse(name: str, value: object) -> int:
-        n = parse_size(value, name=name)
-        if n < minimum:
-            raise ConfigError(f"{name}: must be at least {format_size(minimum)}, got {value!r}")
-        return n
-
-    return parse
-
-
-def _choice(*choices: str) -> Parser:
-    def parse(name: str, value: object) -> str:
-        if not isinstance(value, str) or value.strip().lower() not in choices:
-            raise ConfigError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
-        return value.strip().lower()
-
-    return parse
+# The generic parsers are in kvd.config_parsers; these two stay here: one needs the policy's levels, the other
+# expands "~" (which reads $HOME, and only this module reads the environment).
 
 
 def _level_tag(name: str, value: object) -> str:
     tags = [level.tag for level in Level]
-    return _choice(*tags)(name, value)
-
-
-def _int_tuple(name: str, value: object) -> tuple[int, ...]:
-    """A list of non-negative ints; from the environment a comma-separated string ("0,1,31")."""
-    if isinstance(value, str):
-        parts = [p.strip() for p in value.split(",") if p.strip()]
-        try:
-            items: list[object] = [int(p, 10) for p in parts]
-        except ValueError:
-            raise ConfigError(f"{name}: expected comma-separated integers, got {value!r}") from None
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-    else:
-        raise ConfigError(f"{name}: expected a list of integers, got {type(value).__name__} {value!r}")
-    out: list[int] = []
-    for item in items:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            raise ConfigError(f"{name}: expected non-negative integers, got {item!r}")
-        out.append(item)
-    if len(set(out)) != len(out):
-        raise ConfigError(f"{name}: duplicate entries in {value!r}")
-    return tuple(sorted(out))
-
-
-def _text(name: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{name}: expected a string, got {type(value).__name__} {value!r}")
-    return value.strip()
-
-
-def _name(name: str, value: object) -> str:
-    text = _text(name, value)
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", text):
-        raise ConfigError(f"{name}: expected 1-63 letters, digits, '_', '.' or '-', got {value!r}")
-    return text
+    return choice(*tags)(name, value)
 
 
 def _path(name: str, value: object) -> str | None:
-    text = _opt(_text)(name, value)
+    text = optional(text_value)(name, value)
     return None if text is None else os.path.expanduser(text)
-
-
-def _port_range(name: str, value: object) -> str:
-    """"" (any free port) or "LOW-HIGH" (inclusive, 1..65535)."""
-    text = _text(name, value)
-    if text in ("", "0"):
-        return ""
-    match = re.fullmatch(r"(\d{1,5})\s*-\s*(\d{1,5})", text)
-    if match is None or not 1 <= int(match.group(1)) <= int(match.group(2)) <= 65535:
-        raise ConfigError(f"{name}: expected a port range LOW-HIGH within 1-65535 (or empty), got {value!r}")
-    return f"{int(match.group(1))}-{int(match.group(2))}"
 
 
 def _setting(default: Any, parse: Parser, doc: str) -> Any:
@@ -269,26 +120,32 @@ class StoreSettings:
     """``[store]``: one shard's page store. ``None`` means "the Store's own default" (chosen by measurement)."""
 
     capacity_bytes: int | None = _setting(
-        None, _opt(_size(_MIB)), "bytes of KV memory per shard (default: cluster.memory_bytes / cluster.shards)"
+        None,
+        optional(size_at_least(MIB)),
+        "bytes of KV memory per shard (default: cluster.memory_bytes / cluster.shards)",
     )
-    page_tokens: int | None = _setting(None, _opt(_int(1, 65535)), "tokens per page (default: the store's)")
+    page_tokens: int | None = _setting(
+        None, optional(integer_in(1, 65535)), "tokens per page (default: the store's)"
+    )
     window_tokens: int | None = _setting(
-        None, _opt(_int(0)), "recent tokens kept at fp16 per sequence (default: the store's)"
+        None, optional(integer_in(0)), "recent tokens kept at fp16 per sequence (default: the store's)"
     )
     sink_tokens: int | None = _setting(
-        None, _opt(_int(0)), "first tokens kept at fp16 per sequence, attention sinks (default: the store's)"
+        None,
+        optional(integer_in(0)),
+        "first tokens kept at fp16 per sequence, attention sinks (default: the store's)",
     )
-    raw_layers: tuple[int, ...] = _setting((), _int_tuple, "layers never quantized, e.g. [0, 31]")
-    raw_heads: tuple[int, ...] = _setting((), _int_tuple, "KV heads never quantized")
+    raw_layers: tuple[int, ...] = _setting((), int_tuple, "layers never quantized, e.g. [0, 31]")
+    raw_heads: tuple[int, ...] = _setting((), int_tuple, "KV heads never quantized")
     eviction: str = _setting(
-        "lru", _choice("lru", "none"), "when full at the most compact level: lru = evict least recently used "
+        "lru", choice("lru", "none"), "when full at the most compact level: lru = evict least recently used "
         "sequences, none = refuse appends with OutOfMemory"
     )
     eight_bit: str = _setting(
-        "q8", _choice("q8", "fp8_e4m3", "fp8_e5m2"), "the 8-bit rung: q8 (int8, most accurate), fp8_e4m3, fp8_e5m2"
+        "q8", choice("q8", "fp8_e4m3", "fp8_e5m2"), "the 8-bit rung: q8 (int8, most accurate), fp8_e4m3, fp8_e5m2"
     )
     compact_budget_bytes: int = _setting(
-        8 * _MIB, _size(4 * _KIB), "bytes re-encoded per compaction step between requests after a level rise"
+        8 * MIB, size_at_least(4 * KIB), "bytes re-encoded per compaction step between requests after a level rise"
     )
 
 
@@ -296,15 +153,19 @@ class StoreSettings:
 class PolicySettings:
     """``[policy]``: the pressure policy. Numbers left at ``None`` come from ``profile``."""
 
-    profile: str = _setting("default", _choice(*PROFILES), f"policy profile: {', '.join(PROFILES)}")
-    q8_threshold: float | None = _setting(None, _opt(_float(0.0, 1.0)), "pressure for the 8-bit rung (0.80)")
-    q4_threshold: float | None = _setting(None, _opt(_float(0.0, 1.0)), "pressure for q4 (0.95)")
-    hysteresis: float | None = _setting(
-        None, _opt(_float(0.0, 1.0)), "margin below a threshold before stepping down (0.05)"
+    profile: str = _setting("default", choice(*PROFILES), f"policy profile: {', '.join(PROFILES)}")
+    q8_threshold: float | None = _setting(
+        None, optional(number_in(0.0, 1.0)), "pressure for the 8-bit rung (0.80)"
     )
-    ewma_alpha: float | None = _setting(None, _opt(_float(0.0, 1.0)), "EWMA weight of the newest sample (0.20)")
-    min_level: str | None = _setting(None, _opt(_level_tag), "least compact level allowed (fp16)")
-    max_level: str | None = _setting(None, _opt(_level_tag), "most compact level allowed (q4)")
+    q4_threshold: float | None = _setting(None, optional(number_in(0.0, 1.0)), "pressure for q4 (0.95)")
+    hysteresis: float | None = _setting(
+        None, optional(number_in(0.0, 1.0)), "margin below a threshold before stepping down (0.05)"
+    )
+    ewma_alpha: float | None = _setting(
+        None, optional(number_in(0.0, 1.0)), "EWMA weight of the newest sample (0.20)"
+    )
+    min_level: str | None = _setting(None, optional(_level_tag), "least compact level allowed (fp16)")
+    max_level: str | None = _setting(None, optional(_level_tag), "most compact level allowed (q4)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,37 +173,40 @@ class ClusterSettings:
     """``[cluster]``: Ray, shards, memory, ports."""
 
     address: str = _setting(
-        "", _text, 'Ray cluster to join: "" starts an embedded local Ray; "auto" joins the cluster running on '
-        'this machine; or "ray://host:10001" / "host:6379"'
+        "",
+        text_value,
+        'Ray cluster to join: "" starts an embedded local Ray; "auto" joins the cluster running on '
+        'this machine; or "ray://host:10001" / "host:6379"',
     )
-    namespace: str = _setting("kvd", _name, "Ray namespace of the kvd actors (run several kvds side by side)")
-    shards: int = _setting(2, _int(1, 4096), "number of shard actors")
+    namespace: str = _setting("kvd", identifier, "Ray namespace of the kvd actors (run several kvds side by side)")
+    shards: int = _setting(2, integer_in(1, 4096), "number of shard actors")
     memory_bytes: int = _setting(
         None,
-        _size(_MIB),
+        size_at_least(MIB),
         "total KV memory over all shards (default: 25% of this machine's memory, at most 8 GiB)",
     )
     report_interval_s: float = _setting(
-        0.5, _float(0.0, 60.0, open_low=True), "seconds between a shard's pressure reports"
+        0.5, number_in(0.0, 60.0, open_low=True), "seconds between a shard's pressure reports"
     )
     pressure_mode: str = _setting(
-        "sum", _choice("sum", "max"), "cluster pressure: sum = total used / total capacity, max = fullest shard"
+        "sum", choice("sum", "max"), "cluster pressure: sum = total used / total capacity, max = fullest shard"
     )
     host: str = _setting(
-        "auto", _text, 'address the coordinator and shards bind: "auto" = 127.0.0.1 on an embedded Ray, '
+        "auto", text_value, 'address the coordinator and shards bind: "auto" = 127.0.0.1 on an embedded Ray, '
         "the node's IP on a cluster"
     )
-    port: int = _setting(DEFAULT_PORT, _int(0, 65535), "coordinator's client port (0 = any free port)")
+    port: int = _setting(DEFAULT_PORT, integer_in(0, 65535), "coordinator's client port (0 = any free port)")
     shard_ports: str = _setting(
-        "", _port_range, 'ports shards bind, e.g. "7500-7599" for a firewall ("" = any free port)'
+        "", port_range, 'ports shards bind, e.g. "7500-7599" for a firewall ("" = any free port)'
     )
-    metrics_port: int = _setting(0, _int(0, 65535), "Prometheus metrics port of `kvd up` (0 = off)")
-    shard_cpus: float = _setting(1.0, _float(0.0, 1024.0), "logical CPUs Ray reserves per shard (0 = none)")
+    metrics_port: int = _setting(0, integer_in(0, 65535), "Prometheus metrics port of `kvd up` (0 = off)")
+    shard_cpus: float = _setting(1.0, number_in(0.0, 1024.0), "logical CPUs Ray reserves per shard (0 = none)")
     num_cpus: int | None = _setting(
-        None, _opt(_int(1, 1 << 16)), "CPUs of an embedded Ray (default: this machine's, at least enough "
-        "for the shards)"
+        None,
+        optional(integer_in(1, 1 << 16)),
+        "CPUs of an embedded Ray (default: this machine's, at least enough for the shards)",
     )
-    ray_timeout_s: float = _setting(10.0, _float(0.0, 3600.0, open_low=True), "timeout of every Ray call")
+    ray_timeout_s: float = _setting(10.0, number_in(0.0, 3600.0, open_low=True), "timeout of every Ray call")
 
     def __post_init__(self) -> None:
         if self.memory_bytes is None:
@@ -426,7 +290,7 @@ class Config:
 
     def __post_init__(self) -> None:
         self.policy_config()  # cross-field checks (q4 >= q8, min <= max) surface at load time
-        if self.store.capacity_bytes is None and self.shard_capacity_bytes < _MIB:
+        if self.store.capacity_bytes is None and self.shard_capacity_bytes < MIB:
             raise ConfigError(
                 f"cluster.memory_bytes ({format_size(self.cluster.memory_bytes)}) over {self.cluster.shards} "
                 "shards gives less than 1 MiB per shard"
@@ -623,7 +487,7 @@ def physical_memory_bytes() -> int | None:
 
 def default_memory_bytes() -> int:
     """The default of ``cluster.memory_bytes``: 25% of this machine's memory, capped at 8 GiB, at least 64 MiB."""
-    total = physical_memory_bytes() or 4 * _GIB
+    total = physical_memory_bytes() or 4 * GIB
     return max(DEFAULT_MEMORY_FLOOR_BYTES, min(DEFAULT_MEMORY_CAP_BYTES, int(total * DEFAULT_MEMORY_FRACTION)))
 
 

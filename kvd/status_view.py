@@ -1,0 +1,156 @@
+"""How kvd's status figures are shown: the per-shard table of ``kvd status``, the live status line of ``kvd up``
+and the Prometheus exporter of ``kvd up --metrics-port``.
+
+Inputs are the plain dicts the cluster hands out: a shard's ``stats()`` (``used_bytes``, ``capacity_bytes``,
+``level``, ``bytes_by_level``, ...) and the coordinator's status (``level``, ``level_epoch``, ``pressure``, ...).
+Missing figures print as ``-``; a shard that did not answer is ``None`` (or any non-dict) and shows as down.
+Nothing here talks to the cluster; kvd.cli fetches the figures and decides when to draw.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvd.config import format_size
+from kvd.policy import Level
+
+__all__ = ["fmt_bytes", "shard_table", "status_line", "StatusMetrics"]
+
+
+# ------------------------------------------------------------------------------------------------ display
+
+
+def fmt_bytes(n: Any) -> str:
+    """A byte count without the space (``"1.50GiB"``), or ``"-"`` for None."""
+    return "-" if n is None else format_size(float(n)).replace(" ", "")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _by_level(stats: dict[str, Any]) -> str:
+    parts = [f"{k}:{fmt_bytes(v)}" for k, v in sorted((stats.get("bytes_by_level") or {}).items()) if v]
+    return " ".join(parts) or "-"
+
+
+def _rate(stats: dict[str, Any]) -> str:
+    for key in ("requests_per_s", "server_requests_per_s"):
+        if isinstance(stats.get(key), (int, float)):
+            return f"{stats[key]:.0f}"
+    return "-"
+
+
+def shard_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
+    """The per-shard table of ``kvd status``: ``shards`` is ``[(shard_id, stats or None if down)]``."""
+    headers = ["shard", "level", "epoch", "pressure", "used", "capacity", "bytes by level", "tokens",
+               "sequences", "evictions", "req/s"]
+    rows = []
+    for sid, s in shards:
+        if s is None:
+            rows.append([sid, "DOWN", *["-"] * (len(headers) - 2)])
+            continue
+        rows.append([
+            sid, s.get("level", "-"), s.get("epoch", "-"), f"{float(s.get('pressure', 0.0)):.3f}",
+            fmt_bytes(s.get("used_bytes")), fmt_bytes(s.get("capacity_bytes")), _by_level(s),
+            s.get("tokens", "-"), s.get("sequences", "-"), s.get("evictions", "-"), _rate(s),
+        ])
+    return _table(headers, rows)
+
+
+def status_line(cluster: dict[str, Any], shards: dict[str, Any]) -> str:
+    """One line for `kvd up`: ``cluster`` is the coordinator's status, ``shards`` {shard_id: stats or error}."""
+    up = sum(1 for s in shards.values() if isinstance(s, dict))
+    good = [s for s in shards.values() if isinstance(s, dict)]
+    pressure = cluster.get("pressure")
+    rps = sum(float(s.get("server_requests_per_s") or 0.0) for s in good)
+    return (
+        f"level {cluster['level']} (epoch {cluster['level_epoch']}) | pressure "
+        f"{'-' if pressure is None else f'{pressure:.3f}'} | used {fmt_bytes(cluster.get('used_bytes'))} of "
+        f"{fmt_bytes(cluster.get('capacity_bytes'))} | shards {up}/{len(shards)} up | "
+        f"{sum(int(s.get('sequences', 0)) for s in good)} seqs {sum(int(s.get('tokens', 0)) for s in good)} tokens"
+        f" | {rps:.0f} req/s | evictions {sum(int(s.get('evictions', 0)) for s in good)}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+class StatusMetrics:
+    """Prometheus exporter with the figures of `kvd status`, refreshed by the status loop of `kvd up`.
+
+    Serves ``http://host:port/metrics`` from construction until :meth:`close`; needs prometheus_client.
+    """
+
+    def __init__(self, port: int, host: str) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self._lock = threading.Lock()
+        self._snapshot: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+
+    def update(self, cluster: dict[str, Any], shards: dict[str, Any]) -> None:
+        with self._lock:
+            self._snapshot = (cluster, shards)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        with self._lock:
+            snap = self._snapshot
+        if snap is None:
+            return
+        cluster, shards = snap
+        rank = {lv.tag: lv.value for lv in Level}
+        g = GaugeMetricFamily
+        yield g("kvd_cluster_pressure", "Cluster pressure (used / capacity, or the fullest shard)",
+                value=cluster.get("pressure") or 0.0)
+        yield g("kvd_cluster_level", "Level in force: 0 fp16, 1 q8, 2 fp8, 3 q4", value=rank[cluster["level"]])
+        yield g("kvd_cluster_level_epoch", "Level epoch", value=cluster["level_epoch"])
+        yield g("kvd_cluster_topology_epoch", "Topology epoch", value=cluster["topology_epoch"])
+        yield CounterMetricFamily("kvd_policy_upgrades", "Changes to a more compact level",
+                                  value=cluster.get("upgrades", 0))
+        yield CounterMetricFamily("kvd_policy_downgrades", "Changes to a less compact level",
+                                  value=cluster.get("downgrades", 0))
+        families: dict[str, Any] = {
+            "up": g("kvd_shard_up", "1 if the shard answered", labels=["shard"]),
+            "level": g("kvd_shard_level", "Level applied: 0 fp16, 1 q8, 2 fp8, 3 q4", labels=["shard"]),
+            "epoch": g("kvd_shard_epoch", "Level epoch applied", labels=["shard"]),
+            "pressure": g("kvd_shard_pressure", "used / capacity", labels=["shard"]),
+            "used_bytes": g("kvd_shard_used_bytes", "Bytes used", labels=["shard"]),
+            "capacity_bytes": g("kvd_shard_capacity_bytes", "Bytes of capacity", labels=["shard"]),
+            "tokens": g("kvd_shard_tokens", "Tokens held", labels=["shard"]),
+            "sequences": g("kvd_shard_sequences", "Sequences held", labels=["shard"]),
+            "evictions": CounterMetricFamily("kvd_shard_evictions", "Sequences evicted", labels=["shard"]),
+            "rps": g("kvd_shard_requests_per_second", "Requests per second", labels=["shard"]),
+        }
+        by_level = g("kvd_shard_level_bytes", "Bytes of pages by page format", labels=["shard", "level"])
+        for sid, s in shards.items():
+            families["up"].add_metric([sid], 1.0 if isinstance(s, dict) else 0.0)
+            if not isinstance(s, dict):
+                continue
+            families["level"].add_metric([sid], rank.get(str(s.get("level")), -1))
+            families["rps"].add_metric([sid], float(s.get("server_requests_per_s") or 0.0))
+            for key in ("epoch", "pressure", "used_bytes", "capacity_bytes", "tokens", "sequences", "evictions"):
+                families[key].add_metric([sid], float(s.get(key, 0)))
+            for level, n in (s.get("bytes_by_level") or {}).items():
+                by_level.add_metric([sid, level], float(n))
+        yield from families.values()
+        yield by_level
+
+    def close(self) -> None:
+        self.server.shutdown()
