@@ -174,11 +174,8 @@ class _Layout:
     head: bytes  # the page's first `prefix` bytes with a zero checksum: constant for the layout
     seed: int  # xxh3-64 of the header bytes the checksum covers: constant for the layout
 
-    def views(self, buf: object) -> dict[str, np.ndarray]:
-        return {
-            s.name: np.ndarray(s.shape, s.dtype, buffer=buf, offset=s.offset)  # type: ignore[call-overload]
-            for s in self.sections
-        }
+    def views(self, buf: memoryview) -> dict[str, np.ndarray]:
+        return {s.name: np.ndarray(s.shape, s.dtype, buffer=buf, offset=s.offset) for s in self.sections}
 
     def header(self, checksum: int) -> PageHeader:
         t, h, d = self.shape
@@ -314,7 +311,8 @@ def encode(x: object, level: str, *, role: str, raw_heads: Sequence[int] = ()) -
     Raises InvalidArgument for a bad shape, dtype, level or role, NonFiniteError for NaN/Inf.
     """
     a = _page_input(x)
-    buf = bytearray(_encode_layout(level, role, *a.shape, raw_heads).size)
+    t, h, d = a.shape
+    buf = bytearray(_encode_layout(level, role, t, h, d, raw_heads).size)
     encode_into(a, level, buf, role=role, raw_heads=raw_heads)
     return bytes(buf)
 
@@ -325,14 +323,14 @@ def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Seq
     Returns the number of bytes written. Nothing useful is left in ``out`` if it raises.
     """
     a = _page_input(x)
-    lay = _encode_layout(level, role, *a.shape, raw_heads)
+    t, h, d = a.shape
+    lay = _encode_layout(level, role, t, h, d, raw_heads)
     mv = _bytes_view(out)
     if mv.readonly:
         raise InvalidArgument("out must be a writable buffer")
     if len(mv) < lay.size:
         raise InvalidArgument(f"out holds {len(mv)} bytes, the page needs {lay.size}")
     v = lay.views(mv)
-    t, h, d = lay.shape
     rh = lay.raw_heads
     if level == "fp16":
         kernels.f16_copy_rows(a.reshape(lay.matrix), v["raw"])
