@@ -1,5 +1,6 @@
-"""Field checks and tensor framing of the kvd wire protocol (docs/protocol.md), shared by the codec in
-:mod:`kvd.protocol` and the routing in :mod:`kvd.routing`. Pure: no zmq.
+"""Constants, field checks, tensor framing and size limits of the kvd wire protocol (docs/protocol.md), shared
+by the messages in :mod:`kvd.protocol_messages`, the codec in :mod:`kvd.protocol` and the routing in
+:mod:`kvd.routing`. Pure: no zmq.
 
 A *check* is a function ``(field name, value, exception class for a wrong type) -> normalised value``. A value
 of the wrong type raises the given class (:class:`~kvd.errors.ProtocolError` for bytes off the wire,
@@ -9,16 +10,14 @@ domain is always :class:`~kvd.errors.InvalidArgument`. Every message names the f
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
-from msgpack.exceptions import StackError
 
-from kvd.errors import InvalidArgument, KvdError, MessageTooLarge, ProtocolError
+from kvd.errors import ConfigError, InvalidArgument, KvdError, ProtocolError
 
 try:  # bfloat16 arrays need ml_dtypes; without it bfloat16 frames decode to their uint16 bit patterns
     from ml_dtypes import bfloat16 as _BF16_TYPE
@@ -102,8 +101,10 @@ def text_in(max_bytes: int, *, nonempty: bool = True) -> Check:
         except UnicodeEncodeError:
             raise InvalidArgument(f"{name} is not encodable as UTF-8: {value[:80]!r}") from None
         if size > max_bytes or (nonempty and size == 0):
-            raise InvalidArgument(f"{name} must be {'1' if nonempty else '0'} to {max_bytes} bytes of UTF-8, "
-                                  f"got {size} bytes: {value[:80]!r}")
+            raise InvalidArgument(
+                f"{name} must be {'1' if nonempty else '0'} to {max_bytes} bytes of UTF-8, "
+                f"got {size} bytes: {value[:80]!r}"
+            )
         return value
 
     return check
@@ -200,8 +201,12 @@ def _stat_scalar(name: str, value: Any, exc: type[KvdError]) -> Any:
 
 
 def _stat_array(name: str, value: Any, exc: type[KvdError], *, nested: bool) -> list[Any]:
-    return [_stat_array(f"{name}[{i}]", v, exc, nested=False) if nested and isinstance(v, (list, tuple))
-            else _stat_scalar(f"{name}[{i}]", v, exc) for i, v in enumerate(value)]
+    return [
+        _stat_array(f"{name}[{i}]", v, exc, nested=False)
+        if nested and isinstance(v, (list, tuple))
+        else _stat_scalar(f"{name}[{i}]", v, exc)
+        for i, v in enumerate(value)
+    ]
 
 
 def check_info(name: str, value: Any, exc: type[KvdError]) -> dict[str, Any]:
@@ -216,8 +221,10 @@ def check_info(name: str, value: Any, exc: type[KvdError]) -> dict[str, Any]:
         check_short_text(f"{name} key", key, exc)
         where = f"{name}[{key[:80]!r}]"
         if isinstance(item, Mapping):
-            out[key] = {check_short_text(f"{where} key", k, exc): _stat_scalar(f"{where}[{k[:80]!r}]", v, exc)
-                        for k, v in item.items()}
+            out[key] = {
+                check_short_text(f"{where} key", k, exc): _stat_scalar(f"{where}[{k[:80]!r}]", v, exc)
+                for k, v in item.items()
+            }
         elif isinstance(item, (list, tuple)):
             out[key] = _stat_array(where, item, exc, nested=True)
         else:
@@ -243,13 +250,16 @@ def as_array(obj: Any, name: str = "array") -> np.ndarray:
         try:
             return np.from_dlpack(obj)
         except (TypeError, BufferError, RuntimeError, ValueError) as exc:
-            raise InvalidArgument(f"{name}: cannot view {type(obj).__name__} through DLPack ({exc}); pass a "
-                                  "bfloat16 tensor as its int16/uint16 bits with dtype='bfloat16'") from None
+            raise InvalidArgument(
+                f"{name}: cannot view {type(obj).__name__} through DLPack ({exc}); pass a "
+                "bfloat16 tensor as its int16/uint16 bits with dtype='bfloat16'"
+            ) from None
     try:
         return np.asarray(memoryview(obj))
     except (TypeError, ValueError):
-        raise InvalidArgument(f"{name} must be a numpy array or expose the buffer protocol or DLPack, "
-                              f"got {type(obj).__name__}") from None
+        raise InvalidArgument(
+            f"{name} must be a numpy array or expose the buffer protocol or DLPack, got {type(obj).__name__}"
+        ) from None
 
 
 def wire_dtype_name(arr: np.ndarray, name: str, declared: str | None) -> str:
@@ -310,8 +320,7 @@ def frame_tensor(view: Frame, what: str, dtype: str, shape: tuple[int, ...]) -> 
     # Python integers do not overflow; implementations in other languages must check (docs/protocol.md).
     need = math.prod(shape) * DTYPES[dtype].itemsize
     if len(view) != need:
-        raise ProtocolError(f"{what} frame has {len(view)} bytes but shape {list(shape)} of {dtype} "
-                            f"needs {need}")
+        raise ProtocolError(f"{what} frame has {len(view)} bytes but shape {list(shape)} of {dtype} needs {need}")
     return np.ndarray(shape, DTYPES[dtype], view)
 
 
@@ -348,69 +357,6 @@ def check_shards(name: str, value: Any, exc: type[KvdError]) -> tuple[dict[str, 
     return tuple(out)
 
 
-# ---- frames and msgpack: the checks before any field is looked at ---------------------------------------------
-
-
-def _refuse_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack extension type {code} is not allowed in a header")
-
-
-def _pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ProtocolError("header has a map with a duplicate key")
-    return out
-
-
-def _declared_map_len(head: memoryview) -> int:
-    """The entry count msgpack declares for a header that starts with a map (-1 if it does not)."""
-    first = head[0] if len(head) else 0
-    if 0x80 <= first <= 0x8F:
-        return first & 0x0F
-    if first == 0xDE and len(head) >= 3:
-        return int.from_bytes(head[1:3], "big")
-    if first == 0xDF and len(head) >= 5:
-        return int.from_bytes(head[1:5], "big")
-    return -1
-
-
-def _has_nested_map(header: dict[Any, Any]) -> bool:
-    for v in header.values():
-        if type(v) is dict:
-            return True
-        if type(v) is list:
-            for item in v:
-                if type(item) is dict:
-                    return True
-    return False
-
-
-@functools.lru_cache(maxsize=16)
-def _unpack_options(max_bytes: int, max_array_len: int) -> dict[str, Any]:
-    return dict(raw=False, strict_map_key=True, use_list=True, ext_hook=_refuse_ext, max_str_len=max_bytes,
-                max_bin_len=max_bytes, max_ext_len=0, max_array_len=max_array_len, max_map_len=MAX_STATS_KEYS)
-
-
-def unpack_header(head: memoryview, *, max_bytes: int, max_array_len: int) -> Any:
-    """The msgpack object in ``head`` with every container limit, no extension types and no duplicate map key.
-
-    Raises :class:`ProtocolError` naming what msgpack refused (never anything else).
-    """
-    options = _unpack_options(max_bytes, max_array_len)
-    try:
-        header = msgpack.unpackb(head, **options)
-        # duplicate keys: the top-level map is checked by its declared size; a header with nested maps (info
-        # maps, topology shards: replies only) is decoded again with a hook that checks every map
-        if type(header) is dict and (len(header) != _declared_map_len(head) or _has_nested_map(header)):
-            header = msgpack.unpackb(head, object_pairs_hook=_pairs, **options)
-    except KvdError:
-        raise
-    except Exception as exc:  # msgpack raises ValueError, TypeError, UnicodeDecodeError, StackError, ...
-        why = str(exc)[:200] or ("nested too deeply" if isinstance(exc, StackError) else "")
-        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {why}") from None
-    return header
-
-
 # ---- messages' tensors and pages -----------------------------------------------------------------------------
 
 
@@ -428,8 +374,9 @@ def check_tensors(msg: Any, *, min_dims: tuple[int, ...], declared: str | None) 
     object.__setattr__(msg, "dtype", dtype)
 
 
-def tensors_from_wire(header: Mapping[str, Any], frames: list[Frame], *, min_dims: tuple[int, ...],
-                       dtypes: Sequence[str]) -> dict[str, Any]:
+def tensors_from_wire(
+    header: Mapping[str, Any], frames: list[Frame], *, min_dims: tuple[int, ...], dtypes: Sequence[str]
+) -> dict[str, Any]:
     dtype = header.get("dtype")
     if not isinstance(dtype, str):
         raise ProtocolError(f"dtype must be a string, got {show(dtype)}")
@@ -441,77 +388,54 @@ def tensors_from_wire(header: Mapping[str, Any], frames: list[Frame], *, min_dim
 
 
 def check_page_entry(i: int, entry: Any) -> PageEntry:
-    if type(entry) is tuple and len(entry) == 4 and plain_int(entry[0], MAX_INDEX) \
-            and plain_int(entry[1], MAX_POSITION) and type(entry[2]) is bytes and type(entry[3]) is bytes:
+    if (
+        type(entry) is tuple
+        and len(entry) == 4
+        and plain_int(entry[0], MAX_INDEX)
+        and plain_int(entry[1], MAX_POSITION)
+        and type(entry[2]) is bytes
+        and type(entry[3]) is bytes
+    ):
         return entry  # the store's usual entry: bytes pages, sent as they are
     if not isinstance(entry, (list, tuple)) or len(entry) != 4:
         raise InvalidArgument(f"entries[{i}] must be (layer, token0, key_page, value_page), got {show(entry)}")
-    return (check_index(f"entries[{i}].layer", entry[0], InvalidArgument),
-            check_position(f"entries[{i}].token0", entry[1], InvalidArgument),
-            byte_view(entry[2], f"entries[{i}] key page"), byte_view(entry[3], f"entries[{i}] value page"))
+    return (
+        check_index(f"entries[{i}].layer", entry[0], InvalidArgument),
+        check_position(f"entries[{i}].token0", entry[1], InvalidArgument),
+        byte_view(entry[2], f"entries[{i}] key page"),
+        byte_view(entry[3], f"entries[{i}] value page"),
+    )
 
 
-# ---- opening a message -------------------------------------------------------------------------------------
+# ---- size limits ---------------------------------------------------------------------------------------------
 
 
-def check_limits(sizes: Sequence[int], limits: Any) -> None:
-    """Frame count and sizes (``sizes[0]`` is the header) against a :class:`kvd.protocol.Limits`:
-    :class:`MessageTooLarge` naming the limit."""
-    if len(sizes) > limits.max_frames:
-        raise MessageTooLarge(f"message has {len(sizes)} frames, more than max_frames {limits.max_frames}")
-    if sizes[0] > limits.max_header_bytes:
-        raise MessageTooLarge(f"header is {sizes[0]} bytes, more than max_header_bytes {limits.max_header_bytes}")
-    total = sizes[0]
-    max_frame = limits.max_frame_bytes
-    for i in range(1, len(sizes)):
-        size = sizes[i]
-        total += size
-        if size > max_frame:
-            raise MessageTooLarge(f"frame {i} is {size} bytes, more than max_frame_bytes {max_frame}")
-    if total > limits.max_message_bytes:
-        raise MessageTooLarge(f"message is {total} bytes, more than max_message_bytes {limits.max_message_bytes}")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Size limits of one side, in bytes and frames. The server announces its own in the hello reply.
+
+    ``max_frames`` counts every frame of a message, the header included; a get-pages reply carries at most
+    :attr:`max_pages` entries. Raises :class:`ConfigError` for limits no message could live within.
+    """
+
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_frames: int = DEFAULT_MAX_FRAMES
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        for name, low in (("max_header_bytes", _MIN_HEADER_BYTES), ("max_frame_bytes", 1), ("max_frames", 3)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_POSITION:
+                raise ConfigError(f"Limits.{name} must be an integer in [{low}, 2**63), got {value!r}")
+        m = self.max_message_bytes
+        if isinstance(m, bool) or not isinstance(m, int) or not self.max_header_bytes <= m <= MAX_POSITION:
+            raise ConfigError(f"Limits.max_message_bytes must be an integer >= max_header_bytes, got {m!r}")
+
+    @property
+    def max_pages(self) -> int:
+        """Most entries in one get-pages reply: two frames each after the header."""
+        return (self.max_frames - 1) // 2
 
 
-class DecodeContext:
-    """What a failed decode could still read: the request id, for the error reply."""
-
-    __slots__ = ("request_id",)
-
-    def __init__(self) -> None:
-        self.request_id: int | None = None
-
-
-def open_message(frames: Any, limits: Any, ctx: DecodeContext) -> tuple[dict[Any, Any], list[Frame]]:
-    """Frame count and sizes, then msgpack: the checks shared by requests and replies."""
-    if not isinstance(frames, (list, tuple)) or not frames:
-        raise ProtocolError("a message is a non-empty list of frames (the header first)")
-    head = byte_view(frames[0], "header frame")
-    if head.nbytes > limits.max_header_bytes:
-        raise MessageTooLarge(f"header is {head.nbytes} bytes, more than max_header_bytes "
-                              f"{limits.max_header_bytes}")
-    header = unpack_header(head, max_bytes=limits.max_header_bytes,
-                           max_array_len=max(limits.max_pages, _MIN_ARRAY_LEN))
-    if type(header) is not dict:
-        raise ProtocolError(f"header must be a msgpack map, got {show(header)}")
-    rid = header.get("id")
-    if type(rid) is int and 0 <= rid <= MAX_REQUEST_ID:
-        ctx.request_id = rid  # from here on an error reply can name the request
-    for key in header:
-        if type(key) is not str:
-            raise ProtocolError(f"header keys must be strings, got {show(key)}")
-    if len(frames) > limits.max_frames:
-        raise MessageTooLarge(f"message has {len(frames)} frames, more than max_frames {limits.max_frames}")
-    views: list[Frame] = []
-    sizes = [head.nbytes]
-    for i in range(1, len(frames)):  # a pages reply has thousands: keep this loop lean
-        frame = frames[i]
-        # bytes are immutable and already ours, a 1-D byte memoryview is already a view: kept as they are
-        if type(frame) is not bytes and not (type(frame) is memoryview and frame.format == "B"
-                                             and frame.ndim == 1):
-            frame = byte_view(frame, f"frame {i}")
-        views.append(frame)
-        sizes.append(len(frame))
-    check_limits(sizes, limits)
-    if type(header.get("v")) is not int and not is_int(header.get("v")):
-        raise ProtocolError(f"header field v (protocol version) must be an integer, got {show(header.get('v'))}")
-    return header, views
+DEFAULT_LIMITS = Limits()

@@ -53,8 +53,10 @@ class Router:
     def __init__(self, shard_ids: Sequence[str]) -> None:
         if isinstance(shard_ids, str) or not isinstance(shard_ids, Sequence) or not shard_ids:
             raise InvalidArgument(f"shard_ids must be a non-empty sequence of shard ids, got {show(shard_ids)}")
-        raws = [check_short_text(f"shard_ids[{i}]", s, InvalidArgument).encode("utf-8")
-                for i, s in enumerate(shard_ids)]
+        raws = [
+            check_short_text(f"shard_ids[{i}]", s, InvalidArgument).encode("utf-8")
+            for i, s in enumerate(shard_ids)
+        ]
         if len(set(raws)) != len(raws):
             raise InvalidArgument(f"shard_ids has duplicates: {list(shard_ids)[:16]}")
         self.shard_ids: tuple[str, ...] = tuple(shard_ids)
@@ -95,8 +97,14 @@ class Topology:
 
     __slots__ = ("epoch", "shards", "level", "level_epoch", "_router", "_owners")
 
-    def __init__(self, *, epoch: int | None, shards: Sequence[Mapping[str, str]], level: str | None = None,
-                 level_epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        epoch: int | None,
+        shards: Sequence[Mapping[str, str]],
+        level: str | None = None,
+        level_epoch: int | None = None,
+    ) -> None:
         self.shards: tuple[dict[str, str], ...] = check_shards("shards", list(shards), InvalidArgument)
         self.epoch, self.level, self.level_epoch = epoch, level, level_epoch
         self._router = Router([s["id"] for s in self.shards]) if self.shards else None
@@ -118,5 +126,9 @@ class Topology:
 
     def as_dict(self) -> dict[str, Any]:
         """``{"epoch", "shards": [{"id", "endpoint"}], "level", "level_epoch"}`` (copies)."""
-        return {"epoch": self.epoch, "shards": [dict(s) for s in self.shards], "level": self.level,
-                "level_epoch": self.level_epoch}
+        return {
+            "epoch": self.epoch,
+            "shards": [dict(s) for s in self.shards],
+            "level": self.level,
+            "level_epoch": self.level_epoch,
+        }

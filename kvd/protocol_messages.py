@@ -1,0 +1,572 @@
+"""The kvd wire messages (docs/protocol.md): one frozen, slotted dataclass per request and reply. Pure: no zmq.
+
+Theory of operation. Every message validates itself when built, so a message that exists is a valid message.
+Each class lists its header fields as ``(name, check)`` pairs (checks from :mod:`kvd.protocol_schema`); the
+generic codec in :mod:`kvd.protocol` turns those fields into a header map and back. The three classes with
+binary frames (:class:`AppendRequest`, :class:`GetReply`, :class:`GetPagesReply`) add their own frame handling
+through ``_payload`` (encoding) and ``_from_payload`` (decoding). Import these names from :mod:`kvd.protocol`,
+the public module, which re-exports them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar
+
+from kvd.errors import ConfigError, InvalidArgument, KvdError, ProtocolError, error_for_code
+from kvd.protocol_schema import (
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_FRAMES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DTYPES,
+    MAX_ERROR_MESSAGE_BYTES,
+    MAX_INDEX,
+    MAX_POSITION,
+    PROTOCOL_MINOR,
+    PROTOCOL_VERSION,
+    Check,
+    Frame,
+    Limits,
+    PageEntry,
+    SeqId,
+    check_array,
+    check_bool,
+    check_dim,
+    check_get_format,
+    check_index,
+    check_info,
+    check_layers,
+    check_namespace,
+    check_opt_info,
+    check_opt_position,
+    check_page_entry,
+    check_position,
+    check_request_id,
+    check_required_layers,
+    check_role,
+    check_seq_id,
+    check_shards,
+    check_short_text,
+    check_tensors,
+    check_text_list,
+    int_in,
+    plain_int,
+    show,
+    tensor_frame,
+    tensors_from_wire,
+    text_in,
+)
+
+_FieldSpec = tuple[tuple[str, Check], ...]
+_NS_SEQ: _FieldSpec = (("namespace", check_namespace), ("seq_id", check_seq_id))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Message:
+    OP: ClassVar[str] = ""
+    FIELDS: ClassVar[_FieldSpec] = ()  # header fields beside v / id / op / ok, in wire order
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = ()  # header keys handled by _payload / _from_payload
+    FRAMES: ClassVar[int | None] = 0  # binary frames after the header; None: the class counts them
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()  # FIELDS that may be absent or nil on the wire (= the default)
+
+    request_id: int
+
+    def __post_init__(self) -> None:
+        _check_fields(self, InvalidArgument)
+
+    @classmethod
+    def trusted(cls, **values: Any) -> Any:
+        """The message from values known to be valid and normalised (a server's own replies: ints, tuples,
+        C-contiguous little-endian arrays), without the checks of the constructor. Missing fields take their
+        defaults. Use the constructor for anything else."""
+        msg = object.__new__(cls)
+        defaults = _DEFAULTS[cls]
+        for name in _FIELD_NAMES[cls]:
+            object.__setattr__(msg, name, values[name] if name in values else defaults[name])
+        return msg
+
+    def _cross_check(self, wire: bool = False) -> None:
+        """Rules spanning several fields (InvalidArgument). ``wire``: the frames were already checked."""
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        return {}, []
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        return {}
+
+
+def _check_fields(msg: _Message, exc: type[KvdError]) -> None:
+    for name, check in msg.FIELDS:
+        value = getattr(msg, name)
+        normal = check(name, value, exc)
+        if normal is not value:
+            object.__setattr__(msg, name, normal)
+    if not (isinstance(msg, ErrorReply) and msg.request_id is None):
+        object.__setattr__(msg, "request_id", check_request_id("id", msg.request_id, exc))
+    msg._cross_check(wire=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HelloRequest(_Message):
+    """Ask for the server's protocol version, limits and identity. Reply: :class:`HelloReply`."""
+
+    OP = "hello"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PingRequest(_Message):
+    """Liveness check; the reply has no fields. Reply: :class:`PingReply`."""
+
+    OP = "ping"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegisterRequest(_Message):
+    """Store.register. Reply: :class:`RegisterReply`."""
+
+    OP = "register"
+    FIELDS = (
+        ("namespace", check_namespace),
+        ("num_layers", check_dim),
+        ("num_kv_heads", check_dim),
+        ("head_dim", check_dim),
+    )
+    namespace: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class AppendRequest(_Message):
+    """Store.append of ``keys`` and ``values`` ``[L, T, H, D]`` (float16, float32 or bfloat16, same dtype).
+
+    Arrays are kept as given (a C-contiguous little-endian array is never copied). ``dtype`` is inferred;
+    pass it only to send integer arrays holding bfloat16 bit patterns. ``offset``: if set, the server applies
+    the append only when the sequence's current length equals it (safe pipelining); else InvalidArgument.
+    """
+
+    OP = "append"
+    FIELDS = (*_NS_SEQ, ("offset", check_opt_position))
+    OPTIONAL = ("offset",)
+    EXTRA_KEYS = ("dtype", "shape")
+    FRAMES = 2
+    namespace: str
+    seq_id: SeqId
+    keys: Any
+    values: Any
+    offset: int | None = None
+    dtype: str | None = None
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if not wire:  # a decoded request's arrays were built from the frames with the declared dtype and shape
+            check_tensors(self, min_dims=(1, 1, 1, 1), declared=self.dtype)
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        return (
+            {"dtype": self.dtype, "shape": list(self.keys.shape)},
+            [tensor_frame(self.keys), tensor_frame(self.values)],
+        )
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        return tensors_from_wire(header, frames, min_dims=(1, 1, 1, 1), dtypes=tuple(DTYPES))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GetRequest(_Message):
+    """Store.get (``format="fp16"``, reply :class:`GetReply`) or get_pages (``"pages"``, :class:`GetPagesReply`).
+
+    Tokens ``[start, end)`` (``end=None``: to the end) of ``layers`` (None: all, in order).
+    """
+
+    OP = "get"
+    FIELDS = (
+        *_NS_SEQ,
+        ("start", check_position),
+        ("end", check_opt_position),
+        ("layers", check_layers),
+        ("format", check_get_format),
+    )
+    OPTIONAL = ("start", "end", "layers", "format")
+    namespace: str
+    seq_id: SeqId
+    start: int = 0
+    end: int | None = None
+    layers: tuple[int, ...] | None = None
+    format: str = "fp16"
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if self.end is not None and self.end < self.start:
+            raise InvalidArgument(f"start must be <= end, got start={self.start} end={self.end}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DropRequest(_Message):
+    """Store.drop. Reply: :class:`DropReply`."""
+
+    OP = "drop"
+    FIELDS = _NS_SEQ
+    namespace: str
+    seq_id: SeqId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LengthRequest(_Message):
+    """Store.length. Reply: :class:`LengthReply`."""
+
+    OP = "length"
+    FIELDS = _NS_SEQ
+    namespace: str
+    seq_id: SeqId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatsRequest(_Message):
+    """Store.stats. Reply: :class:`StatsReply`."""
+
+    OP = "stats"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExplainRequest(_Message):
+    """Store.explain of one token of one layer. Reply: :class:`ExplainReply`."""
+
+    OP = "explain"
+    FIELDS = (*_NS_SEQ, ("layer", check_index), ("token", check_position))
+    namespace: str
+    seq_id: SeqId
+    layer: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopologyRequest(_Message):
+    """Ask a coordinator for the cluster topology. Reply: :class:`TopologyReply`. Shards refuse it."""
+
+    OP = "topology"
+
+
+_LIMIT_FIELDS = ("max_header_bytes", "max_frame_bytes", "max_frames", "max_message_bytes")
+_opt_dim = int_in(1, MAX_INDEX, optional=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HelloReply(_Message):
+    """The server's protocol version, role, identity, page geometry and :class:`Limits` (:attr:`limits`).
+
+    ``role`` is ``"shard"`` (serves data; ``shard_id`` is the id routing uses; ``page_tokens`` is set) or
+    ``"coordinator"`` (serves the topology; ``shard_id`` is its name; ``page_tokens`` is None).
+    """
+
+    OP = "hello"
+    FIELDS = (
+        ("protocol_version", check_position),
+        ("protocol_minor", check_position),
+        ("kvd_version", check_short_text),
+        ("page_format_version", check_position),
+        ("role", check_role),
+        ("shard_id", check_short_text),
+        ("page_tokens", _opt_dim),
+        *((name, check_position) for name in _LIMIT_FIELDS),
+    )
+    OPTIONAL = ("page_tokens",)
+    protocol_version: int = PROTOCOL_VERSION
+    protocol_minor: int = PROTOCOL_MINOR
+    kvd_version: str
+    page_format_version: int
+    role: str = "shard"
+    shard_id: str
+    page_tokens: int | None = None
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_frames: int = DEFAULT_MAX_FRAMES
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if (self.page_tokens is None) != (self.role == "coordinator"):
+            raise InvalidArgument(
+                f"page_tokens must be set for a shard and nil for a coordinator, got role "
+                f"{self.role!r} with page_tokens {self.page_tokens!r}"
+            )
+        try:
+            self.limits  # noqa: B018 - validates
+        except ConfigError as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(**{name: getattr(self, name) for name in _LIMIT_FIELDS})
+
+    @classmethod
+    def for_limits(cls, limits: Limits, **fields: Any) -> HelloReply:
+        return cls(**{name: getattr(limits, name) for name in _LIMIT_FIELDS}, **fields)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PingReply(_Message):
+    OP = "ping"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RegisterReply(_Message):
+    OP = "register"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AppendReply(_Message):
+    """``length``: the sequence's length in tokens after the append."""
+
+    OP = "append"
+    FIELDS = (("length", check_position),)
+    length: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class GetReply(_Message):
+    """Decoded float16 ``keys`` and ``values`` ``[len(layers), end - start, H, D]`` of tokens [start, end)."""
+
+    OP = "get"
+    FIELDS = (("start", check_position), ("end", check_position), ("layers", check_required_layers))
+    EXTRA_KEYS = ("format", "dtype", "shape")
+    FRAMES = 2
+    start: int
+    end: int
+    layers: tuple[int, ...]
+    keys: Any
+    values: Any
+    dtype: str = "float16"
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if not wire:
+            if self.dtype != "float16":
+                raise InvalidArgument(f"a get reply carries float16 tensors, got dtype {self.dtype!r}")
+            check_tensors(self, min_dims=(1, 0, 1, 1), declared="float16")
+        want = (len(self.layers), self.end - self.start)
+        if self.end < self.start or self.keys.shape[:2] != want:
+            raise InvalidArgument(
+                f"tensor shape {list(self.keys.shape)} does not match {len(self.layers)} layers "
+                f"and tokens [{self.start}, {self.end})"
+            )
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        return (
+            {"format": "fp16", "dtype": self.dtype, "shape": list(self.keys.shape)},
+            [tensor_frame(self.keys), tensor_frame(self.values)],
+        )
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        return tensors_from_wire(header, frames, min_dims=(1, 0, 1, 1), dtypes=("float16",))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GetPagesReply(_Message):
+    """Stored pages covering tokens [start, end) of ``layers``: entries ``(layer, token0, key_page, value_page)``.
+
+    Exactly Store.get_pages' entries. Pages are bytes-like: decoded replies hold the received frames themselves
+    (bytes) or memoryviews of them, never copies.
+    ``kvd.pages.assemble(entries, start, end, layers)`` rebuilds the float16 arrays (docs/formats.md).
+    """
+
+    OP = "get"
+    FIELDS = (("start", check_position), ("end", check_position), ("layers", check_required_layers))
+    EXTRA_KEYS = ("format", "entries")
+    FRAMES = None
+    start: int
+    end: int
+    layers: tuple[int, ...]
+    entries: tuple[PageEntry, ...]
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if self.end < self.start:
+            raise InvalidArgument(f"start must be <= end, got start={self.start} end={self.end}")
+        entries = self.entries
+        if not wire:
+            listed = check_array("entries", entries, InvalidArgument)
+            entries = tuple(check_page_entry(i, e) for i, e in enumerate(listed))
+            object.__setattr__(self, "entries", entries)
+        seen: set[tuple[int, int]] = set()
+        allowed = set(self.layers)
+        for i, (layer, token0, kpage, vpage) in enumerate(entries):
+            if layer not in allowed or (layer, token0) in seen:
+                raise InvalidArgument(f"entries[{i}] ({layer}, {token0}) is a duplicate or not in layers")
+            seen.add((layer, token0))
+            if not len(kpage) or not len(vpage):
+                raise InvalidArgument(f"entries[{i}] ({layer}, {token0}) has an empty page")
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        frames: list[Frame] = []
+        for entry in self.entries:
+            frames += (entry[2], entry[3])
+        return {"format": "pages", "entries": [[e[0], e[1]] for e in self.entries]}, frames
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        listed = check_array("entries", header.get("entries"), ProtocolError)
+        if len(listed) > limits.max_pages or len(frames) != 2 * len(listed):
+            raise ProtocolError(
+                f"entries lists {len(listed)} pages but {len(frames)} page frames follow "
+                f"(2 per entry, at most {limits.max_pages} entries)"
+            )
+        entries = []
+        for i, pair in enumerate(listed):
+            if (
+                type(pair) is list
+                and len(pair) == 2
+                and plain_int(pair[0], MAX_INDEX)
+                and plain_int(pair[1], MAX_POSITION)
+            ):  # fast path; the checks below name what is wrong
+                entries.append((pair[0], pair[1], frames[2 * i], frames[2 * i + 1]))
+                continue
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ProtocolError(f"entries[{i}] must be [layer, token0], got {show(pair)}")
+            layer = check_index(f"entries[{i}].layer", pair[0], ProtocolError)
+            entries.append(
+                (
+                    layer,
+                    check_position(f"entries[{i}].token0", pair[1], ProtocolError),
+                    frames[2 * i],
+                    frames[2 * i + 1],
+                )
+            )
+        return {"entries": tuple(entries)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DropReply(_Message):
+    """``dropped``: whether the sequence existed."""
+
+    OP = "drop"
+    FIELDS = (("dropped", check_bool),)
+    dropped: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LengthReply(_Message):
+    OP = "length"
+    FIELDS = (("length", check_position),)
+    length: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatsReply(_Message):
+    """Store.stats() plus server counters; numpy scalars are turned into Python numbers."""
+
+    OP = "stats"
+    FIELDS = (("stats", check_info),)
+    stats: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExplainReply(_Message):
+    """Store.explain: ``level`` (format tag), ``reasons``, and the store's other keys in ``details``."""
+
+    OP = "explain"
+    FIELDS = (("level", check_short_text), ("reasons", check_text_list), ("details", check_opt_info))
+    OPTIONAL = ("details",)
+    level: str
+    reasons: tuple[str, ...]
+    details: dict[str, Any] | None = None  # normalised to a dict
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopologyReply(_Message):
+    """The cluster as the coordinator sees it: ``epoch`` (bumped whenever a shard joins or moves), ``shards``
+    (maps ``{"id", "endpoint"}``; clients route over the ids, docs/protocol.md §10), the cluster's ``level``
+    tag and its ``level_epoch``. ``shards`` may be empty while no shard has registered yet."""
+
+    OP = "topology"
+    FIELDS = (
+        ("epoch", check_position),
+        ("shards", check_shards),
+        ("level", check_short_text),
+        ("level_epoch", check_position),
+    )
+    epoch: int
+    shards: tuple[dict[str, str], ...]
+    level: str
+    level_epoch: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ErrorReply(_Message):
+    """A failed request: ``code`` (kvd.errors), ``error`` (class name), ``message``. ``request_id`` is None
+    when the request was too malformed to read one. :meth:`exception` gives the matching kvd error."""
+
+    FIELDS = (
+        ("code", int_in(1, MAX_INDEX)),
+        ("error", check_short_text),
+        ("message", text_in(MAX_ERROR_MESSAGE_BYTES, nonempty=False)),
+    )
+    request_id: int | None  # type: ignore[assignment]
+    code: int
+    error: str
+    message: str
+
+    def exception(self) -> KvdError:
+        return error_for_code(self.code, self.message)
+
+
+Request = (
+    HelloRequest
+    | PingRequest
+    | RegisterRequest
+    | AppendRequest
+    | GetRequest
+    | DropRequest
+    | LengthRequest
+    | StatsRequest
+    | ExplainRequest
+    | TopologyRequest
+)
+Reply = (
+    HelloReply
+    | PingReply
+    | RegisterReply
+    | AppendReply
+    | GetReply
+    | GetPagesReply
+    | DropReply
+    | LengthReply
+    | StatsReply
+    | ExplainReply
+    | TopologyReply
+    | ErrorReply
+)
+REQUESTS: dict[str, type[_Message]] = {
+    c.OP: c
+    for c in (
+        HelloRequest,
+        PingRequest,
+        RegisterRequest,
+        AppendRequest,
+        GetRequest,
+        DropRequest,
+        LengthRequest,
+        StatsRequest,
+        ExplainRequest,
+        TopologyRequest,
+    )
+}
+_REPLIES: dict[str, type[_Message]] = {
+    c.OP: c
+    for c in (
+        HelloReply,
+        PingReply,
+        RegisterReply,
+        AppendReply,
+        DropReply,
+        LengthReply,
+        StatsReply,
+        ExplainReply,
+        TopologyReply,
+    )
+}
+_GET_REPLIES: dict[str, type[_Message]] = {"fp16": GetReply, "pages": GetPagesReply}
+_ALL: tuple[type[_Message], ...] = (*REQUESTS.values(), *_REPLIES.values(), *_GET_REPLIES.values(), ErrorReply)
+_DEFAULTS = {c: {f.name: f.default for f in fields(c) if f.default is not MISSING} for c in _ALL}
+_FIELD_NAMES = {c: tuple(f.name for f in fields(c)) for c in _ALL}
