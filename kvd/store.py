@@ -68,6 +68,7 @@ from kvd.errors import (
     UnknownSequence,
 )
 from kvd.policy import Level
+from kvd.store_compact import Compaction
 from kvd.store_seq import RAW, Namespace, Seq, SeqId, int_arg, int_tuple, refuse_nonfinite, seq_id_arg
 
 __all__ = ["Store", "EIGHT_BIT_FORMATS", "DEFAULT_PAGE_TOKENS", "DEFAULT_SINK_TOKENS", "DEFAULT_WINDOW_TOKENS"]
@@ -79,7 +80,7 @@ EIGHT_BIT_FORMATS = ("q8", "fp8_e4m3", "fp8_e5m2")
 MAX_EPOCH = 2**63 - 1
 
 
-class Store:
+class Store(Compaction):
     """One shard's paged, adaptively quantized KV memory. See the module docstring for the model.
 
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
@@ -517,62 +518,6 @@ class Store:
             return True
 
     # ------------------------------------------------------------------------------------------ compaction
-
-    def compact(self, budget_bytes: int) -> int:
-        """Re-encode, oldest first, sealed unprotected pages on a lower rung than the level in force, until the
-        stored bytes of the pages re-encoded in this call would exceed ``budget_bytes`` (a budget smaller than
-        one page does nothing). A page is only re-encoded if that makes it smaller (always so for real page
-        sizes; a page of a few tokens can grow at q4 through section alignment). Returns the bytes freed (the
-        fall of ``used_bytes``)."""
-        budget = int_arg("budget_bytes", budget_bytes, 0)
-        with self._lock:
-            if not self._backlog_bytes():
-                return 0
-            before, spent, log = self._ledger.used, 0, self._log
-            while log.cursor < len(log.entries):
-                seq, r = log.entries[log.cursor]
-                for i in seq.ns.quant_layers if seq.alive else ():
-                    rec = seq.pages[i][r]
-                    if not self._shrinks(seq.ns, sp.current_fmt(rec)):
-                        continue
-                    if spent + len(rec) > budget:
-                        return before - self._ledger.used
-                    if self._ledger.used + seq.ns.rec_bytes[self._fmt] > self.capacity_bytes:
-                        # The new page exists for an instant next to the old one. A full store still compacts
-                        # (that is how it stops being full): one page of transient overshoot, which
-                        # used_bytes never shows, and only after the pool is emptied.
-                        self._ledger.pool.clear()
-                    spent += len(rec)
-                    self._recompress(seq, i, r, rec)
-                log.cursor += 1
-            return before - self._ledger.used
-
-    def _shrinks(self, ns: Namespace, fmt: str) -> bool:
-        """Whether a page of ``fmt`` awaits re-encoding at the level in force (a higher rung, fewer bytes)."""
-        target = self._fmt
-        return sp.RUNG[fmt] < sp.RUNG[target] and ns.rec_bytes[target] < ns.rec_bytes[fmt]
-
-    def _backlog_bytes(self) -> int:
-        return sum(b for ns in self._ns.values() for fmt, b in ns.backlog.items() if b and self._shrinks(ns, fmt))
-
-    def _recompress(self, seq: Seq, layer: int, row: int, old: bytearray) -> None:
-        ns, fmt = seq.ns, self._fmt
-        kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
-        taken = sp.Taken()
-        try:
-            rec = self._seal(ns, fmt, kp, vp, layer, row, taken, 0)
-        except BaseException:
-            self._ledger.give_back(taken)
-            raise
-        self._ledger.adopt(taken)
-        sp.copy_trailer_recompressed(old, rec, epoch=self._epoch, fmt=fmt)
-        seq.pages[layer][row] = rec
-        ns.backlog[sp.current_fmt(old)] -= len(old)
-        ns.backlog[fmt] += len(rec)
-        # the old buffer is freed, not pooled: compaction runs to free memory
-        seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=False)
-        self._recompressed_pages += 1
-        self._recompressed_bytes += len(old)
 
     # ------------------------------------------------------------------------------------------ introspection
 

@@ -1,0 +1,102 @@
+"""Re-compression of a store's cold pages after a level rise (the job :meth:`Store.compact` does).
+
+Theory of operation: rows enter the store's compaction log in the order they become eligible (sealed, out of the
+window, not protected), which is their age order. After a level rise, :meth:`Compaction.compact` walks the log
+from its cursor and re-encodes (decode, then encode at the format in force) every page on a lower rung, within a
+byte budget per call, so no request waits for a whole pass. A page moves only up a rung and only if that makes
+it smaller; the old buffer is freed, not pooled, because compaction runs to free memory. Re-encoding an 8-bit
+page to q4 quantizes a second time: its error is q4's plus the 8-bit error it already had.
+
+This is a mixin of :class:`kvd.store.Store`, split out because it is a job of its own; it relies on the store's
+lock, ledger, log, namespaces, level format and epoch. Pure core: no Ray, no ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from kvd import store_pool as sp
+from kvd.store_seq import Namespace, Seq, int_arg
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvd import store_seq
+
+__all__ = ["Compaction"]
+
+
+class Compaction:
+    capacity_bytes: int
+    _lock: threading.RLock
+    _ledger: sp.Ledger
+    _log: store_seq.CompactionLog
+    _ns: dict[str, Namespace]
+    _fmt: str
+    _epoch: int
+    _recompressed_pages: int
+    _recompressed_bytes: int
+
+    if TYPE_CHECKING:  # provided by Store
+
+        def _seal(
+            self, ns: Namespace, fmt: str, kp: np.ndarray, vp: np.ndarray, layer: int, row: int, taken: sp.Taken,
+            flags: int,
+        ) -> bytearray: ...  # fmt: skip
+
+    def compact(self, budget_bytes: int) -> int:
+        """Re-encode, oldest first, sealed unprotected pages on a lower rung than the level in force, until the
+        stored bytes of the pages re-encoded in this call would exceed ``budget_bytes`` (a budget smaller than
+        one page does nothing). A page is only re-encoded if that makes it smaller (always so for real page
+        sizes; a page of a few tokens can grow at q4 through section alignment). Returns the bytes freed (the
+        fall of ``used_bytes``)."""
+        budget = int_arg("budget_bytes", budget_bytes, 0)
+        with self._lock:
+            if not self._backlog_bytes():
+                return 0
+            before, spent, log = self._ledger.used, 0, self._log
+            while log.cursor < len(log.entries):
+                seq, r = log.entries[log.cursor]
+                for i in seq.ns.quant_layers if seq.alive else ():
+                    rec = seq.pages[i][r]
+                    if not self._shrinks(seq.ns, sp.current_fmt(rec)):
+                        continue
+                    if spent + len(rec) > budget:
+                        return before - self._ledger.used
+                    if self._ledger.used + seq.ns.rec_bytes[self._fmt] > self.capacity_bytes:
+                        # The new page exists for an instant next to the old one. A full store still compacts
+                        # (that is how it stops being full): one page of transient overshoot, which
+                        # used_bytes never shows, and only after the pool is emptied.
+                        self._ledger.pool.clear()
+                    spent += len(rec)
+                    self._recompress(seq, i, r, rec)
+                log.cursor += 1
+            return before - self._ledger.used
+
+    def _shrinks(self, ns: Namespace, fmt: str) -> bool:
+        """Whether a page of ``fmt`` awaits re-encoding at the level in force (a higher rung, fewer bytes)."""
+        target = self._fmt
+        return sp.RUNG[fmt] < sp.RUNG[target] and ns.rec_bytes[target] < ns.rec_bytes[fmt]
+
+    def _backlog_bytes(self) -> int:
+        return sum(b for ns in self._ns.values() for fmt, b in ns.backlog.items() if b and self._shrinks(ns, fmt))
+
+    def _recompress(self, seq: Seq, layer: int, row: int, old: bytearray) -> None:
+        ns, fmt = seq.ns, self._fmt
+        kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
+        taken = sp.Taken()
+        try:
+            rec = self._seal(ns, fmt, kp, vp, layer, row, taken, 0)
+        except BaseException:
+            self._ledger.give_back(taken)
+            raise
+        self._ledger.adopt(taken)
+        sp.copy_trailer_recompressed(old, rec, epoch=self._epoch, fmt=fmt)
+        seq.pages[layer][row] = rec
+        ns.backlog[sp.current_fmt(old)] -= len(old)
+        ns.backlog[fmt] += len(rec)
+        # the old buffer is freed, not pooled: compaction runs to free memory
+        seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=False)
+        self._recompressed_pages += 1
+        self._recompressed_bytes += len(old)
