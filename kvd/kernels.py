@@ -19,11 +19,9 @@ contiguous (any row stride), outputs are C-contiguous arrays the caller allocate
 NaN/Inf input raises :class:`kvd.errors.NonFiniteError` naming a non-finite position; with a compiled
 backend the outputs of a quantizer may then be partly written (``f16_copy_rows`` writes nothing).
 
-Bit-identity has one documented gap, where the reference itself is not deterministic: the q4 minimum and
-maximum of a group holding both +0.0 and -0.0 come from numpy's SIMD reductions, which return either zero.
-The compiled backends order -0.0 below +0.0 (IEEE 754-2019 minimum/maximum), which agrees with numpy whenever
-numpy's answer is determined; in the ambiguous case only the sign of a zero ``mins`` / ``scales`` entry can
-differ (codes never do, and every backend decodes a given page to the same bits).
+Bit-identity has no exception: even a q4 group holding both +0.0 and -0.0 has one minimum and maximum, because
+the reference reduces on order-preserving integer keys (-0.0 below +0.0, IEEE 754-2019 minimum/maximum) exactly
+as the compiled backends order them.
 """
 
 from __future__ import annotations
