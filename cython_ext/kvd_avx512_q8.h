@@ -159,6 +159,63 @@ KVD_I512 int kvd512_absmax_rows_fast(const uint16_t *x, ptrdiff_t xs, int64_t n,
     return KVD_OK;
 }
 
+/* groups of 32 with G = d / 32 dividing 16 (the codec's fp8 pages: d = 128, 4 groups a row): 16 / G whole rows
+ * per batch, all 16 groups loaded once into registers, reduced by the transposed tree and quantized from the
+ * registers (no second load, no group bookkeeping). Rows left over take kvd512_absmax_rows_fast. */
+KVD_I512 int kvd512_absmax_rows_g32(const uint16_t *x, ptrdiff_t xs, int64_t n, uint8_t *codes, uint16_t *scales,
+                                    const int G, const int fmt) {
+    const int R = 16 / G, d = 32 * G;
+    const float code_max = fmt < 0 ? 127.0f : (fmt ? 57344.0f : 448.0f);
+    const __m512i m7fff = _mm512_set1_epi16(0x7fff);
+    int64_t r0 = 0;
+    for (; r0 + R <= n; r0 += R) {
+        __m512i z[16], a[16];
+        KVD_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint16_t *p = x + (r0 + i / G) * xs + 32 * (i % G);
+            _mm_prefetch((const char *)(p + KVD_PF_AHEAD), _MM_HINT_T0);
+            z[i] = _mm512_loadu_si512(p);
+            a[i] = _mm512_and_si512(z[i], m7fff); /* dies after the tree: pass 2 recomputes it from z */
+        }
+        __m256i am = kvd512_red_max_epu16(a);
+        if (_mm256_cmpge_epu16_mask(am, _mm256_set1_epi16(0x7c00))) return KVD_NONFINITE;
+        __m256i s16;
+        __m512 inv;
+        kvd512_absmax_scales(am, code_max, &s16, &inv);
+        float invs[16] __attribute__((aligned(64)));
+        _mm512_store_ps(invs, inv);
+        uint8_t *out = codes + r0 * d;
+        KVD_UNROLL
+        for (int i = 0; i < 16; i += 2) {
+            __m512i q[4];
+            __mmask64 sign = 0;
+            KVD_UNROLL
+            for (int h = 0; h < 2; h++) {
+                const __m512 invb = _mm512_set1_ps(invs[i + h]);
+                const __m512i v = z[i + h];
+                if (fmt < 0) {
+                    q[2 * h] = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(v)), invb), KVD_RNE);
+                    q[2 * h + 1] = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)), invb), KVD_RNE);
+                } else {
+                    sign |= (__mmask64)_mm512_movepi16_mask(v) << (32 * h);
+                    const __m512i av = _mm512_and_si512(v, m7fff);
+                    q[2 * h] = kvd512_fp8_mag_nomask(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(av)), invb), fmt);
+                    q[2 * h + 1] = kvd512_fp8_mag_nomask(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(av, 1)), invb), fmt);
+                }
+            }
+            __m512i b = kvd512_pack_q8(q[0], q[1], q[2], q[3]);
+            if (fmt >= 0)
+                b = _mm512_mask_add_epi8(b, sign, b, _mm512_set1_epi8((char)0x80));
+            else
+                b = _mm512_max_epi8(b, _mm512_set1_epi8(-127));
+            _mm512_storeu_si512(out + 32 * i, b);
+        }
+        _mm256_storeu_si256((__m256i *)(scales + r0 * G), s16);
+    }
+    if (r0 < n) return kvd512_absmax_rows_fast(x + r0 * xs, xs, n - r0, d, codes + r0 * d, scales + r0 * G, 32, fmt);
+    return KVD_OK;
+}
+
 /* any shape: one group at a time */
 KVD_I512 int kvd512_absmax_rows_generic(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint8_t *codes,
                                         uint16_t *scales, int64_t group, const int fmt) {
@@ -202,6 +259,8 @@ KVD_I512 int kvd512_absmax_rows_generic(const uint16_t *x, ptrdiff_t xs, int64_t
 KVD_I512 int kvd512_absmax_rows(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint8_t *codes,
                                 uint16_t *scales, int64_t group, const int fmt) {
     const int64_t g = kvd_min64(group, d);
+    if (g == 32 && d == 128) return kvd512_absmax_rows_g32(x, xs, n, codes, scales, 4, fmt);
+    if (g == 32 && d == 64) return kvd512_absmax_rows_g32(x, xs, n, codes, scales, 2, fmt);
     if (g % 32 == 0 && d % g == 0) return kvd512_absmax_rows_fast(x, xs, n, d, codes, scales, g, fmt);
     return kvd512_absmax_rows_generic(x, xs, n, d, codes, scales, group, fmt);
 }

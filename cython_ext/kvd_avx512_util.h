@@ -215,6 +215,25 @@ KVD_I512 __m512i kvd512_fp8_mag(__m512 a, const int fmt) {
     return _mm512_mask_mov_epi32(_mm512_srli_epi32(t, shift), issub, sub);
 }
 
+/* kvd512_fp8_mag for the fast paths, without mask registers.
+ * No clamp: there a = |x| * (1/s) with s = f16_up(absmax / max), so a <= max * (1 + 3 * 2^-24) (three
+ * roundings), which rounds to max exactly like the clamped value would (the midpoint to the next, unused, code
+ * is max * 1.036 in both formats).
+ * Normal and subnormal in one: with a' = max(a, smallest normal) the normal formula is exact for normal a and
+ * gives the smallest normal's code below it; the subnormal formula (a + magic) is exact below the smallest
+ * normal and never smaller than the normal code above it (equal in the first binade, then linear against
+ * logarithmic), so the unsigned minimum of the two is the code. */
+KVD_I512 __m512i kvd512_fp8_mag_nomask(__m512 a, const int fmt) {
+    const int mbits = fmt ? 2 : 3, bias = fmt ? 15 : 7, shift = 23 - mbits;
+    const float magic = fmt ? 128.0f : 16384.0f;
+    __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(a, _mm512_set1_ps(magic))),
+                                   _mm512_set1_epi32((int)kvd_f2u(magic)));
+    __m512i ai = _mm512_castps_si512(_mm512_max_ps(a, _mm512_set1_ps(fmt ? 6.103515625e-05f : 0.015625f)));
+    __m512i t = _mm512_add_epi32(ai, _mm512_set1_epi32((1 << (shift - 1)) - 1 - ((127 - bias) << 23)));
+    t = _mm512_add_epi32(t, _mm512_and_si512(_mm512_srli_epi32(ai, shift), _mm512_set1_epi32(1)));
+    return _mm512_min_epu32(_mm512_srli_epi32(t, shift), sub);
+}
+
 /* ---- unnormalized FWHT of one row held in nz (1, 2, 4 or 8) registers --------------------------------- */
 KVD_I512 void kvd512_fwht_regs(__m512 *z, const int nz) {
     const __m512 s1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
