@@ -21,7 +21,7 @@ extensions = [
     Extension(
         "kvd._kernels",
         sources=["cython_ext/_kernels.pyx"],
-        depends=sorted(glob("cython_ext/*.h")),  # the kernels live in the headers: rebuild when they change
+        depends=sorted(glob("cython_ext/*.h") + glob("cython_ext/*.pxi")),  # rebuild when the kernels change
         include_dirs=["cython_ext", np.get_include()],
         extra_compile_args=compile_args,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

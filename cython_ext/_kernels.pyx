@@ -470,3 +470,15 @@ def f32_to_fp8(y, int fmt):
 def fp8_lut(int fmt):
     """The C fp8 decode table (float32 [256])."""
     return np.array([kvd_fp8_value(<uint8_t>c, fmt) for c in range(256)], dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# whole pages, many per call (the store's batched paths)
+
+include "_pagecodec.pxi"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# warm result buffers (kvd.buffers)
+
+include "_warm.pxi"

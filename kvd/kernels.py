@@ -100,6 +100,13 @@ def _select() -> str:
 BACKEND: str = _select()
 _active = load(BACKEND)
 
+
+
+def compiled() -> Any:
+    """The compiled kernel set in use (a ``kvd._kernels.Backend``), or None when it is the reference."""
+    return None if BACKEND == "reference" else _active
+
+
 f16_copy_rows: Callable[..., None] = _active.f16_copy_rows
 q8_encode_rows: Callable[..., None] = _active.q8_encode_rows
 q8_decode_rows: Callable[..., None] = _active.q8_decode_rows
@@ -112,4 +119,4 @@ q4_decode_rows: Callable[..., None] = _active.q4_decode_rows
 q4_encode_cols: Callable[..., None] = _active.q4_encode_cols
 q4_decode_cols: Callable[..., None] = _active.q4_decode_cols
 
-__all__ = ["BACKEND", "ENV_VAR", "available", "load", "requested_backend", *_ref.KERNELS]
+__all__ = ["BACKEND", "ENV_VAR", "available", "compiled", "load", "requested_backend", *_ref.KERNELS]

@@ -66,6 +66,7 @@ FLAG_ROTATED = 1
 # magic, version, level, axis, flags, group, n_raw_heads, T, H, D, payload_len | checksum
 _HEAD = struct.Struct("<4sBBBBHHIHHI")
 _SUM = struct.Struct("<Q")
+_ZEROS = bytes(8)
 assert _HEAD.size + _SUM.size == HEADER_BYTES
 
 
@@ -173,6 +174,7 @@ class _Layout:
     sections: tuple[_Section, ...]
     head: bytes  # the page's first `prefix` bytes with a zero checksum: constant for the layout
     seed: int  # xxh3-64 of the header bytes the checksum covers: constant for the layout
+    gaps: tuple[tuple[int, int], ...]  # alignment padding [start, end) after sections: written as zeros
 
     def views(self, buf: memoryview) -> dict[str, np.ndarray]:
         return {s.name: np.ndarray(s.shape, s.dtype, buffer=buf, offset=s.offset) for s in self.sections}
@@ -222,8 +224,9 @@ def _build_layout(
     )
     struct.pack_into(f"<{n_raw}H", head, HEADER_BYTES, *rh)
     seed = xxhash.xxh3_64_intdigest(bytes(head[: _HEAD.size]) + bytes(head[HEADER_BYTES:]))
+    gaps = tuple((x.offset + x.nbytes, x.offset + _align(x.nbytes)) for x in sections if x.nbytes % ALIGN_BYTES)
     return _Layout(
-        level, axis, rotated, group, (t, h, d), rh, prefix, off, matrix, tuple(sections), bytes(head), seed
+        level, axis, rotated, group, (t, h, d), rh, prefix, off, matrix, tuple(sections), bytes(head), seed, gaps
     )
 
 
@@ -255,6 +258,20 @@ def _encode_layout(level: str, role: str, t: int, h: int, d: int, raw_heads: Seq
 def nbytes(level: str, T: int, H: int, D: int, *, role: str, raw_heads: Sequence[int] = ()) -> int:  # noqa: N803
     """The exact size in bytes of a page of ``T`` tokens, ``H`` heads, ``D`` head_dim encoded at ``level``."""
     return _encode_layout(level, role, T, H, D, raw_heads).size
+
+
+def flat_layout(level: str, role: str, t: int, h: int, d: int) -> tuple[object, ...]:
+    """A page layout without raw heads as the C page codec takes it (kvd.page_batch): level code, axis,
+    rotated, group, kernel matrix rows and cols, offsets of the data / scales / mins sections (0 if absent),
+    page size, checksum seed, the constant prefix bytes (checksum zero), the page shape and the padding
+    ranges to zero."""
+    lay = _encode_layout(level, role, t, h, d, ())
+    off = {s.name: s.offset for s in lay.sections}
+    data = off.get("raw", off.get("codes", off.get("packed", 0)))
+    return (
+        _LEVEL_CODE[level], lay.axis, lay.rotated, lay.group, *lay.matrix, data, off.get("scales", 0),
+        off.get("mins", 0), lay.size, lay.seed, lay.head, lay.shape, lay.gaps,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -340,6 +357,8 @@ def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Seq
         if len(rh) < h:
             q = np.delete(a, rh, axis=1) if rh else a
             _encode_matrix(lay, q.reshape(lay.matrix), v)
+    for a, b in lay.gaps:  # a reused buffer must not carry old bytes into the page (or out to a client)
+        mv[a:b] = _ZEROS[: b - a]
     mv[: lay.prefix] = lay.head
     _SUM.pack_into(mv, _HEAD.size, xxhash.xxh3_64_intdigest(mv[lay.prefix : lay.size], lay.seed))
     return lay.size

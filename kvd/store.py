@@ -57,8 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from kvd import buffers, store_seq
 from kvd import store_pool as sp
-from kvd import store_seq
 from kvd.errors import (
     ConfigError,
     InvalidArgument,
@@ -276,7 +276,8 @@ class Store(Compaction):
                     src_k, src_v, a = tail[0], tail[1], 0
                 else:
                     src_k, src_v, a = k16, v16, r * p - n
-                sealed.append((sp.seal_row(self._ledger.pool, plan.layers, src_k, src_v, a, p, r, taken), plan))
+                recs = sp.seal_row(self._ledger.pool, plan.layers, src_k, src_v, a, p, r, taken, plan.batch)
+                sealed.append((recs, plan))
             for r in exits if recode else ():
                 assert seq is not None
                 for i in ns.quant_layers:
@@ -449,8 +450,8 @@ class Store(Compaction):
             self._seqs.move_to_end(seq.key)
             self._gets += 1
             ns = seq.ns
-            keys = np.empty((len(lay), e - s, ns.heads, ns.head_dim), np.float16)
-            values = np.empty_like(keys)
+            keys = buffers.empty_f16((len(lay), e - s, ns.heads, ns.head_dim))
+            values = buffers.empty_f16(keys.shape)
             store_seq.read_into(seq, s, e, lay, self.page_tokens, keys, values)
             return keys, values
 

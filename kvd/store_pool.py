@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd import pages
+from kvd import page_batch, pages
 from kvd.errors import NonFiniteError
 
 # The trailer (see the module docstring). Offsets are from the end of the record, for cheap byte reads.
@@ -140,7 +140,7 @@ class BufferPool:
         if free:
             self.bytes -= size + PAGE_META_BYTES
             return free.pop(), True
-        return bytearray(size), False
+        return page_batch.new_record(size), False
 
     def give_record(self, rec: bytearray, *, force: bool = False) -> bool:
         """Keep ``rec`` for reuse if the bound allows (``force``: always, to undo a :meth:`take_record`).
@@ -216,20 +216,32 @@ def seal_row(
     p: int,
     row: int,
     taken: Taken,
+    batch: tuple[tuple[Any, Any, bytes], ...] | None = None,
 ) -> list[bytearray]:
     """Encode one row of pages (every layer's tokens ``[a, a + p)`` of ``src_k`` / ``src_v`` ``[L, T, H, D]``)
     into records taken from ``pool`` (recorded in ``taken``, sizes included), per layer ``(format, record
-    bytes, key page bytes, value page bytes, raw heads, trailer)`` (``kvd.store_seq.RowPlan.layers``). The hot
-    path of an append: one pass, no per-page re-validation. NonFiniteError names the layer and the tokens of
-    ``row``; on any error the records taken so far stay in ``taken`` for the caller to give back."""
-    take, bufs, enc = pool.take_record, taken.bufs, pages.encode_into
-    b = a + p
+    bytes, key page bytes, value page bytes, raw heads, trailer)`` (``kvd.store_seq.RowPlan.layers``), in one
+    call into C when ``batch`` (``RowPlan.batch``) is given. The hot path of an append: one pass, no per-page
+    re-validation. NonFiniteError names the layer and the tokens of ``row``; on any error the records taken
+    so far stay in ``taken`` for the caller to give back."""
+    take, bufs = pool.take_record, taken.bufs
     recs = []
-    for i, (fmt, size, kb, vb, rh, trailer) in enumerate(layers):
+    for layer in layers:
+        size = layer[1]
         rec, from_pool = take(size)
         bufs.append((rec, from_pool))
         taken.record_bytes += size
-        mv = memoryview(rec)
+        recs.append(rec)
+    first = 0
+    if batch is not None:
+        first = page_batch.encode_row(batch, recs, src_k, src_v, a)
+        if first < 0:
+            return recs
+    # the per-page path: no C spec for these pages, or layer `first` holds a non-finite value to be named
+    enc, b = pages.encode_into, a + p
+    for i in range(first, len(layers)):
+        fmt, size, kb, vb, rh, trailer = layers[i]
+        mv = memoryview(recs[i])
         name = "keys"
         try:
             enc(src_k[i, a:b], fmt, mv[:kb], role="key", raw_heads=rh)
@@ -238,7 +250,6 @@ def seal_row(
         except NonFiniteError as exc:
             raise NonFiniteError(f"{name} of layer {i}, tokens [{row * p}, {row * p + p}): {exc}") from None
         mv[size - TRAILER_BYTES :] = trailer
-        recs.append(rec)
     return recs
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd import pages
+from kvd import page_batch, pages
 from kvd import store_pool as sp
 from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch, NonFiniteError
 
@@ -101,7 +101,7 @@ class RowPlan:
     page bytes, raw heads, trailer)``; ``rec_bytes`` the records' total, ``need`` that plus their metadata
     charge, ``counts`` the ``(format, pages, bytes)`` totals for the ledger."""
 
-    __slots__ = ("layers", "rec_bytes", "need", "counts")
+    __slots__ = ("layers", "rec_bytes", "need", "counts", "batch")
 
     def __init__(self, ns: Namespace, fmt: str, flags: int, epoch: int) -> None:
         layers = []
@@ -120,6 +120,10 @@ class RowPlan:
         self.rec_bytes = sum(x[1] for x in layers)
         self.need = self.rec_bytes + sp.PAGE_META_BYTES * ns.layers
         self.counts = tuple((f, n, nb) for f, (n, nb) in counts.items())
+        # per layer (key spec, value spec, trailer) for kvd.page_batch, or None when a layer has no C spec
+        specs = [ns.specs.get(f) for f, *_ in layers]
+        ok = all(x is not None for x in specs)
+        self.batch = tuple((*x, lay[5]) for x, lay in zip(specs, layers, strict=True)) if ok else None  # type: ignore[misc]
 
 
 _MAX_PLANS = 64  # plans are cached per (format, flags, epoch): a bound against ever-new epochs
@@ -132,6 +136,7 @@ class Namespace:
     __slots__ = (
         "name", "layers", "heads", "head_dim", "quant_layers", "raw_layer", "raw_heads", "page_bytes",
         "rec_bytes", "tail_shape", "tail_bytes", "seq_meta", "sequences", "backlog", "_plans", "sizes_by_code",
+        "specs", "specs_by_code",
     )  # fmt: skip
 
     def __init__(
@@ -159,6 +164,16 @@ class Namespace:
             self.rec_bytes[fmt] = kb + vb + sp.TRAILER_BYTES
         # page_bytes by the format code a record's trailer holds (sp.FMT_CODE order), for the read loop
         self.sizes_by_code = tuple(self.page_bytes[fmt] for fmt in pages.LEVELS)
+        # (key spec, value spec) of the C page codec per format (kvd.page_batch); absent when it is off or
+        # the format's pages carry raw heads
+        self.specs: dict[str, tuple[Any, Any]] = {}
+        for fmt in pages.LEVELS:
+            if fmt == RAW or not raw_heads:
+                ks = page_batch.spec(fmt, "key", page_tokens, heads, head_dim)
+                vs = page_batch.spec(fmt, "value", page_tokens, heads, head_dim)
+                if ks is not None and vs is not None:
+                    self.specs[fmt] = (ks, vs)
+        self.specs_by_code = tuple(self.specs.get(fmt) for fmt in pages.LEVELS)
         self.tail_shape = (2, layers, page_tokens, heads, head_dim)
         self.tail_bytes = 2 * layers * page_tokens * heads * head_dim * 2
         self.seq_meta = sp.SEQ_META_BYTES + sp.LAYER_META_BYTES * layers
@@ -250,10 +265,18 @@ def read_into(seq: Seq, s: int, e: int, lay: Sequence[int], p: int, keys: np.nda
     full_lo = -(-s // p)  # rows [full_lo, full_hi) lie fully inside [s, e)
     full_hi = min(e // p, n_sealed)
     scratch: np.ndarray | None = None
+    batch = ns.specs_by_code if full_hi > full_lo and any(ns.specs_by_code) else None
     for j, i in enumerate(lay):
         recs = seq.pages[i]
         kj, vj = keys[j], values[j]
+        done = (-1, -1)  # rows the C codec decoded; the ones it leaves (raw heads, damage) go through pages
+        if batch is not None:
+            lo, hi = full_lo * p - s, full_hi * p - s
+            stop = page_batch.decode_run(recs, full_lo, full_hi, batch, off, kj[lo:hi], vj[lo:hi])
+            done = (full_lo, full_hi if stop < 0 else stop)
         for r in range(r_lo, r_hi):
+            if done[0] <= r < done[1]:
+                continue
             rec = recs[r]
             kb, vb = sizes[rec[-off]]
             mv = memoryview(rec)

@@ -1,0 +1,134 @@
+/* Whole pages in C: kernel + header + checksum of one v1 page per call, for the batched paths of the store.
+ *
+ * kvd/pages.py defines the page format (docs/formats.md). For a page without raw heads everything but the
+ * checksum is a constant of its layout, so a layout is flattened once into a kvd_page_spec (built by
+ * kvd/page_batch.py from kvd.pages' own layout) and a page is then encoded or checked and decoded here
+ * without touching Python: the per-page Python work (array views, argument checks, dispatch) costs more than
+ * the kernel itself on small pages. The bytes are identical to kvd.pages.encode's (the tests compare them).
+ *
+ * The checksum is xxh3-64 of the payload seeded with the layout's header hash. kvd does not carry its own
+ * copy of xxHash: the caller hands over the XXH3_64bits_withSeed of the xxhash module Python has loaded (the
+ * very function kvd.pages calls), checked against it at import (kvd/page_batch.py).
+ */
+#ifndef KVD_PAGECODEC_H
+#define KVD_PAGECODEC_H
+
+#include "kvd_common.h"
+
+#define KVD_CORRUPT 3 /* header bytes, length or checksum do not match the spec: the caller re-checks in Python */
+#define KVD_PAGE_HEAD_MAX 32 /* a page without raw heads has a 32-byte prefix (header + checksum) */
+#define KVD_SUM_OFFSET 24    /* the checksum's place in the header */
+
+typedef uint64_t (*kvd_hash_fn)(const void *data, size_t len, uint64_t seed);
+
+enum { KVD_LV_FP16 = 0, KVD_LV_Q8 = 1, KVD_LV_E4M3 = 2, KVD_LV_E5M2 = 3, KVD_LV_Q4 = 4 };
+enum { KVD_AX_NONE = 0, KVD_AX_TOKEN = 1, KVD_AX_CHANNEL = 2 };
+
+typedef struct {
+    int level, axis, rotated;
+    int64_t group;
+    int64_t rows, cols;         /* the kernel's matrix: [T*H, D] by token, [T, H*D] by channel or raw */
+    int64_t off_data;           /* raw float16, int8/fp8 codes or packed nibbles */
+    int64_t off_scales, off_mins;
+    int64_t prefix, size;       /* header bytes; the whole page */
+    uint64_t seed;              /* xxh3 of the header fields the checksum covers */
+    uint8_t head[KVD_PAGE_HEAD_MAX]; /* the first `prefix` bytes with a zero checksum */
+    int ngaps;                  /* alignment padding after sections, zeroed: a reused buffer keeps no old bytes */
+    int64_t gap_start[3], gap_len[3];
+} kvd_page_spec;
+
+static inline void kvd_store_le64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static inline uint64_t kvd_load_le64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    return v;
+}
+
+/* Copy n float16 values and report NaN/Inf (exponent all ones) in the same pass. The fp16 page's own copy:
+ * the public f16_copy_rows checks everything before writing anything, a second pass over the source that a
+ * page being built does not need (a failed record is thrown away). Plain C: compilers vectorize it with
+ * the baseline's 16-bit compares, and the loop runs at memory speed. */
+static int kvd_copy_f16_checked(const uint16_t *restrict src, uint16_t *restrict dst, int64_t n) {
+    uint16_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t v = src[i];
+        dst[i] = v;
+        bad |= (uint16_t)((v & 0x7c00) == 0x7c00);
+    }
+    return bad ? KVD_NONFINITE : KVD_OK;
+}
+
+/* Encode the [T, H, D] float16 page at src (C-contiguous) into dst (spec->size bytes). KVD_OK, or the
+ * kernel's KVD_NONFINITE / KVD_NOMEM (dst is then unspecified). */
+static int kvd_page_encode(const kvd_backend *b, const kvd_page_spec *s, const uint16_t *src, uint8_t *dst,
+                           kvd_hash_fn hash) {
+    int rc = KVD_OK;
+    int64_t n = s->rows, d = s->cols, g = s->group;
+    uint8_t *data = dst + s->off_data;
+    uint16_t *scales = (uint16_t *)(dst + s->off_scales), *mins = (uint16_t *)(dst + s->off_mins);
+    switch (s->level) {
+    case KVD_LV_FP16:
+        rc = kvd_copy_f16_checked(src, (uint16_t *)data, n * d);
+        break;
+    case KVD_LV_Q8:
+        rc = (s->axis == KVD_AX_TOKEN ? b->q8_encode_rows : b->q8_encode_cols)(src, d, n, d, (int8_t *)data,
+                                                                               scales, g);
+        break;
+    case KVD_LV_E4M3:
+    case KVD_LV_E5M2:
+        rc = b->fp8_encode_rows(src, d, n, d, data, scales, g, s->level == KVD_LV_E5M2);
+        break;
+    case KVD_LV_Q4:
+        rc = s->axis == KVD_AX_TOKEN ? b->q4_encode_rows(src, d, n, d, data, scales, mins, g, s->rotated)
+                                     : b->q4_encode_cols(src, d, n, d, data, scales, mins, g);
+        break;
+    default:
+        return KVD_CORRUPT;
+    }
+    if (rc != KVD_OK) return rc;
+    for (int i = 0; i < s->ngaps; i++) memset(dst + s->gap_start[i], 0, (size_t)s->gap_len[i]);
+    memcpy(dst, s->head, (size_t)s->prefix);
+    kvd_store_le64(dst + KVD_SUM_OFFSET, hash(dst + s->prefix, (size_t)(s->size - s->prefix), s->seed));
+    return KVD_OK;
+}
+
+/* Check the page at src (len bytes) against the spec (header bytes, length, checksum) and decode it into
+ * dst, a C-contiguous float16 [T, H, D]. KVD_CORRUPT (nothing written) when anything does not match: the
+ * caller then hands the page to kvd.pages, which decodes any valid page and names what is wrong otherwise. */
+static int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const uint8_t *src, int64_t len,
+                           uint16_t *dst, kvd_hash_fn hash) {
+    if (len != s->size || memcmp(src, s->head, KVD_SUM_OFFSET) != 0 ||
+        memcmp(src + KVD_SUM_OFFSET + 8, s->head + KVD_SUM_OFFSET + 8,
+               (size_t)(s->prefix - KVD_SUM_OFFSET - 8)) != 0)
+        return KVD_CORRUPT;
+    if (hash(src + s->prefix, (size_t)(s->size - s->prefix), s->seed) != kvd_load_le64(src + KVD_SUM_OFFSET))
+        return KVD_CORRUPT;
+    int64_t n = s->rows, d = s->cols, g = s->group;
+    const uint8_t *data = src + s->off_data;
+    const uint16_t *scales = (const uint16_t *)(src + s->off_scales);
+    const uint16_t *mins = (const uint16_t *)(src + s->off_mins);
+    switch (s->level) {
+    case KVD_LV_FP16:
+        memcpy(dst, data, (size_t)(n * d * 2));
+        return KVD_OK;
+    case KVD_LV_Q8:
+        (s->axis == KVD_AX_TOKEN ? b->q8_decode_rows : b->q8_decode_cols)((const int8_t *)data, scales, dst, n, d,
+                                                                          g);
+        return KVD_OK;
+    case KVD_LV_E4M3:
+    case KVD_LV_E5M2:
+        b->fp8_decode_rows(data, scales, dst, n, d, g, s->level == KVD_LV_E5M2);
+        return KVD_OK;
+    case KVD_LV_Q4:
+        if (s->axis == KVD_AX_TOKEN) return b->q4_decode_rows(data, scales, mins, dst, n, d, g, s->rotated);
+        b->q4_decode_cols(data, scales, mins, dst, n, d, g);
+        return KVD_OK;
+    default:
+        return KVD_CORRUPT;
+    }
+}
+
+#endif

@@ -1,0 +1,93 @@
+"""Batched page codec: many whole pages per call into C, for the store's append and read paths.
+
+Theory of operation
+-------------------
+:mod:`kvd.pages` encodes one page per Python call: it checks the array, looks up the layout, builds section
+views, calls a kernel and hashes the payload. On a 24 KiB page that Python work costs three times the
+kernel. Here a page layout (without raw heads) is flattened once into a :class:`PageSpec`, and the compiled
+extension then encodes a whole row of records (every layer's key and value page plus the trailer) or checks
+and decodes a run of records in one call with the GIL released, in C, page after page (``kvd_pagecodec.h``).
+The bytes are the same as :func:`kvd.pages.encode`'s; a page that the C path cannot take (non-finite input,
+bytes that do not match their layout, a layout with raw heads) is left to :mod:`kvd.pages`, which raises the
+documented error or takes the slow road.
+
+The checksum is xxh3-64. Rather than carry a copy of xxHash, the C code calls ``XXH3_64bits_withSeed`` of the
+``xxhash`` module Python has already loaded (the function :mod:`kvd.pages` uses), found with ctypes and
+checked against ``xxhash.xxh3_64_intdigest`` at import. When that symbol is not exported, or the kernels in
+use are the numpy reference, :data:`ENABLED` is False and callers use the per-page path: slower, same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import xxhash
+
+from kvd import kernels, pages
+
+try:
+    from kvd import _kernels as _ext
+except ImportError:  # not built: the per-page path is all there is
+    _ext = None  # type: ignore[assignment]
+
+
+def _hash_address() -> int:
+    """The address of the xxhash module's XXH3_64bits_withSeed, or 0 when it cannot be found or disagrees."""
+    if _ext is None:
+        return 0
+    try:
+        from xxhash import _xxhash
+
+        lib = ctypes.CDLL(_xxhash.__file__)
+        for name in ("XXH3_64bits_withSeed_dispatch", "XXH3_64bits_withSeed"):  # the dispatching one picks SIMD
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                break
+        else:
+            return 0
+        address = ctypes.cast(fn, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError):
+        return 0
+    _ext.set_page_hash(address)
+    probe = bytes(range(256)) * 40
+    for n in (0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, len(probe)):  # every size class of xxh3
+        for seed in (0, 0x9E3779B97F4A7C15):
+            if _ext.page_hash(probe[:n], seed) != xxhash.xxh3_64_intdigest(probe[:n], seed):
+                _ext.set_page_hash(0)
+                return 0
+    return address
+
+
+# A record buffer of the given size, not zeroed when the extension is there: every byte of a record is
+# written by the codec (sections, padding, header, trailer), so zeroing first would be a wasted pass.
+new_record = _ext.new_record if _ext is not None else bytearray
+
+HASH_OK: bool = _hash_address() != 0  # the C codec has its checksum (tests drive it with any compiled set)
+_BACKEND = kernels.compiled()
+ENABLED: bool = _BACKEND is not None and HASH_OK  # the store's paths use it
+
+
+@functools.lru_cache(maxsize=1024)
+def spec(level: str, role: str, t: int, h: int, d: int) -> Any:
+    """The :class:`PageSpec` of a page without raw heads (None when the batch path is off)."""
+    if not ENABLED:
+        return None
+    return _ext.PageSpec(*pages.flat_layout(level, role, t, h, d))
+
+
+def encode_row(
+    layers: tuple[tuple[Any, Any, bytes], ...], recs: list[bytearray], src_k: Any, src_v: Any, t0: int
+) -> int:
+    """Fill ``recs[i]`` with the pages of ``src_k[i, t0:t0+P]`` / ``src_v[i, t0:t0+P]`` and trailer ``layers[i]
+    = (key spec, value spec, trailer)``. Returns -1, or the first layer left undone (non-finite input)."""
+    return _ext.encode_row(_BACKEND, layers, recs, src_k, src_v, t0)
+
+
+def decode_run(recs: list[bytearray], r0: int, r1: int, specs_by_code: tuple[Any, ...], code_from_end: int,
+               kout: Any, vout: Any) -> int:  # fmt: skip
+    """Decode records ``recs[r0:r1]`` into ``kout`` / ``vout`` ``[(r1 - r0) * P, H, D]``; a record's format code
+    is its byte at ``-code_from_end``, ``specs_by_code[code]`` its ``(key spec, value spec)`` or None.
+    Returns -1, or the first record left undone (decode it through :mod:`kvd.pages`)."""
+    return _ext.decode_run(_BACKEND, recs, r0, r1, specs_by_code, code_from_end, kout, vout)

@@ -1,0 +1,194 @@
+"""The batched C page codec (kvd.page_batch, cython_ext/_pagecodec.pxi): the same bytes as kvd.pages, every
+compiled kernel set, and what it leaves to kvd.pages (non-finite input, damaged pages, arrays it cannot take)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd import kernels, page_batch, pages
+from kvd import store_pool as sp
+from kvd.errors import CorruptPage, NonFiniteError, UnknownSequence
+from kvd.store import Store
+
+ext = pytest.importorskip("kvd._kernels", reason="the compiled extension is what this module tests")
+COMPILED = [b for b in kernels.available() if b != "reference"]
+TRAILER = bytes(range(sp.TRAILER_BYTES))  # any 32 bytes: the codec copies them verbatim
+SHAPES = [(64, 3, 64), (64, 8, 128), (5, 1, 7), (33, 2, 96), (1, 4, 16)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _hash() -> None:
+    assert page_batch.HASH_OK, "the xxhash module's XXH3_64bits_withSeed must be usable from C"
+
+
+def rand(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * rng.uniform(0.1, 8, shape[-1])).astype(np.float16)
+
+
+def specs(level: str, t: int, h: int, d: int) -> tuple[object, object]:
+    return (
+        ext.PageSpec(*pages.flat_layout(level, "key", t, h, d)),
+        ext.PageSpec(*pages.flat_layout(level, "value", t, h, d)),
+    )
+
+
+def expected_record(k: np.ndarray, v: np.ndarray, level: str) -> bytes:
+    return pages.encode(k, level, role="key") + pages.encode(v, level, role="value") + TRAILER
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("level", pages.LEVELS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_encode_row_writes_the_bytes_of_pages_encode(backend: str, level: str, shape: tuple[int, ...]) -> None:
+    t, h, d = shape
+    layers = 3
+    src_k, src_v = rand((layers, t + 7, h, d), 1), rand((layers, t + 7, h, d), 2)
+    ks, vs = specs(level, t, h, d)
+    recs = [bytearray(ks.size + vs.size + len(TRAILER)) for _ in range(layers)]
+    assert ext.encode_row(kernels.load(backend), ((ks, vs, TRAILER),) * layers, recs, src_k, src_v, 5) == -1
+    for i in range(layers):
+        assert bytes(recs[i]) == expected_record(src_k[i, 5 : 5 + t], src_v[i, 5 : 5 + t], level)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("level", pages.LEVELS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_run_matches_pages_decode(backend: str, level: str, shape: tuple[int, int, int]) -> None:
+    t, h, d = shape
+    rows = 4
+    k, v = rand((rows, t, h, d), 3), rand((rows, t, h, d), 4)
+    code = sp.FMT_CODE[level]
+    trailer = bytearray(sp.TRAILER_BYTES)
+    trailer[-sp.CUR_FMT_FROM_END] = code
+    recs = [bytearray(expected_record(k[r], v[r], level)[: -sp.TRAILER_BYTES] + trailer) for r in range(rows)]
+    by_code = tuple(specs(level, t, h, d) if c == code else None for c in range(len(pages.LEVELS)))
+    kout = np.full((rows * t + 3, h, d), np.float16(7))
+    vout = np.full((rows * t + 3, h, d), np.float16(7))
+    assert ext.decode_run(kernels.load(backend), recs, 1, rows, by_code, sp.CUR_FMT_FROM_END, kout, vout) == -1
+    for r in range(1, rows):
+        lo = (r - 1) * t
+        for out, x, role in ((kout, k, "key"), (vout, v, "value")):
+            want = pages.decode(pages.encode(x[r], level, role=role))
+            np.testing.assert_array_equal(out[lo : lo + t].view(np.uint16), want.view(np.uint16))
+    assert (kout[(rows - 1) * t :] == 7).all() and (vout[(rows - 1) * t :] == 7).all()  # nothing past the run
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("level", ["fp16", "q8", "fp8_e5m2", "q4"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("role", ["key", "value"])
+def test_encode_row_stops_at_the_layer_with_a_non_finite_value(backend, level, bad, role) -> None:
+    t, h, d = 64, 3, 64
+    src_k, src_v = rand((4, t, h, d), 5), rand((4, t, h, d), 6)
+    (src_k if role == "key" else src_v)[2, 17, 1, 9] = bad
+    ks, vs = specs(level, t, h, d)
+    recs = [bytearray(ks.size + vs.size + len(TRAILER)) for _ in range(4)]
+    assert ext.encode_row(kernels.load(backend), ((ks, vs, TRAILER),) * 4, recs, src_k, src_v, 0) == 2
+    for i in range(2):  # the layers before it are done
+        assert bytes(recs[i]) == expected_record(src_k[i], src_v[i], level)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_arrays_the_c_path_cannot_take_are_left_to_pages(backend: str) -> None:
+    t, h, d = 8, 2, 16
+    ks, vs = specs("q8", t, h, d)
+    be = kernels.load(backend)
+    good = rand((2, t, h, d))
+    recs = [bytearray(ks.size + vs.size + len(TRAILER)) for _ in range(2)]
+    swapped = good.byteswap().view(good.dtype.newbyteorder())
+    for bad in (rand((2, t, h, 2 * d))[..., ::2], good.astype(np.float32), good[:, :, :, :-1], swapped):
+        assert ext.encode_row(be, ((ks, vs, TRAILER),) * 2, recs, bad, good, 0) == 0
+    raw = np.zeros(good.nbytes + 1, np.uint8)[1:].view(np.float16)  # misaligned float16
+    assert ext.encode_row(be, ((ks, vs, TRAILER),) * 2, recs, raw.reshape(good.shape), good, 0) == 0
+    by_code = (None, (ks, vs), None, None, None)
+    out = np.empty((2 * t, h, d), np.float16)
+    assert ext.decode_run(be, recs, 0, 2, by_code, sp.CUR_FMT_FROM_END, out[:, :, ::-1], out) == 0  # reversed
+    ro = out.copy()
+    ro.flags.writeable = False
+    assert ext.decode_run(be, recs, 0, 2, by_code, sp.CUR_FMT_FROM_END, ro, out) == 0
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_a_damaged_or_foreign_record_stops_the_run_there(backend: str) -> None:
+    t, h, d = 16, 2, 32
+    ks, vs = specs("q4", t, h, d)
+    be = kernels.load(backend)
+    k, v = rand((3, t, h, d), 7), rand((3, t, h, d), 8)
+    trailer = bytearray(sp.TRAILER_BYTES)
+    trailer[-sp.CUR_FMT_FROM_END] = sp.FMT_CODE["q4"]
+    good = [bytearray(expected_record(k[r], v[r], "q4")[: -sp.TRAILER_BYTES] + trailer) for r in range(3)]
+    by_code = tuple((ks, vs) if c == sp.FMT_CODE["q4"] else None for c in range(5))
+    out_k, out_v = np.empty((3 * t, h, d), np.float16), np.empty((3 * t, h, d), np.float16)
+    for where in (3, 24, 40, ks.size - 1, ks.size + 30, ks.size + vs.size - 1):  # header, checksum, payloads
+        recs = [bytearray(r) for r in good]
+        recs[1][where] ^= 0x10
+        assert ext.decode_run(be, recs, 0, 3, by_code, sp.CUR_FMT_FROM_END, out_k, out_v) == 1
+    recs = [bytearray(r) for r in good]
+    recs[2][-sp.CUR_FMT_FROM_END] = sp.FMT_CODE["q8"]  # a format with no spec
+    assert ext.decode_run(be, recs, 0, 3, by_code, sp.CUR_FMT_FROM_END, out_k, out_v) == 2
+
+
+@pytest.mark.parametrize("level", ["q8", "q4"])
+def test_the_store_refuses_a_damaged_page_and_keeps_serving_the_rest(level: str) -> None:
+    s = Store(1 << 26, page_tokens=16, sink_tokens=0)
+    s.register("m", num_layers=2, num_kv_heads=2, head_dim=32)
+    s.set_level(level, 1)
+    k, v = rand((2, 80, 2, 32), 9), rand((2, 80, 2, 32), 10)
+    s.append("m", 1, k, v)
+    clean = s.get("m", 1)
+    rec = s._seqs[("m", 1)].pages[1][2]  # layer 1, tokens [32, 48)
+    rec[100] ^= 1
+    with pytest.raises(CorruptPage, match="checksum"):
+        s.get("m", 1)
+    got = s.get("m", 1, 0, 32)  # rows before the damaged one still read
+    np.testing.assert_array_equal(got[0].view(np.uint16), clean[0][:, :32].view(np.uint16))
+    got = s.get("m", 1, 48, 80)
+    np.testing.assert_array_equal(got[1].view(np.uint16), clean[1][:, 48:].view(np.uint16))
+
+
+def test_a_non_finite_append_names_the_layer_and_tokens_and_stores_nothing() -> None:
+    s = Store(1 << 26, page_tokens=16, sink_tokens=0)
+    s.register("m", num_layers=3, num_kv_heads=2, head_dim=32)
+    s.set_level("q8", 1)
+    k, v = rand((3, 64, 2, 32), 11), rand((3, 64, 2, 32), 12)
+    v[2, 37, 1, 5] = np.nan
+    with pytest.raises(NonFiniteError, match=r"values of layer 2, tokens \[32, 48\)"):
+        s.append("m", 1, k, v)
+    st = s.stats()
+    assert st["tokens"] == 0 and st["sequences"] == 0 and sum(st["pages_by_level"].values()) == 0
+    with pytest.raises(UnknownSequence):
+        s.length("m", 1)
+
+
+def test_the_store_takes_the_batched_path_exactly_when_it_is_on() -> None:
+    assert page_batch.ENABLED == (kernels.BACKEND != "reference")
+    s = Store(1 << 26, page_tokens=16)
+    s.register("m", num_layers=2, num_kv_heads=2, head_dim=32)
+    ns = s._ns["m"]
+    assert set(ns.specs) == (set(pages.LEVELS) if page_batch.ENABLED else set())
+    assert (ns.plan("q8", 0, 1).batch is not None) == page_batch.ENABLED
+    s2 = Store(1 << 26, page_tokens=16, raw_heads=(1,))
+    s2.register("m", num_layers=2, num_kv_heads=2, head_dim=32)
+    # pages with raw heads take the per-page path: only raw (fp16) pages, which never carry them, have specs
+    assert set(s2._ns["m"].specs) == ({"fp16"} if page_batch.ENABLED else set())
+
+
+@pytest.mark.parametrize("level", pages.LEVELS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_reused_buffer_gives_the_same_bytes(level: str, shape: tuple[int, int, int]) -> None:
+    # padding between sections is written as zeros by both paths, so old bytes never reach a page
+    x = rand(shape, 13)
+    for role in pages.ROLES:
+        want = pages.encode(x, level, role=role)
+        dirty = bytearray(b"\xa5" * len(want))
+        pages.encode_into(x, level, dirty, role=role)
+        assert bytes(dirty) == want
+    for backend in COMPILED:
+        ks, vs = specs(level, *shape)
+        rec = bytearray(b"\x5a" * (ks.size + vs.size + len(TRAILER)))
+        src = x[None]
+        assert ext.encode_row(kernels.load(backend), ((ks, vs, TRAILER),), [rec], src, src, 0) == -1
+        assert bytes(rec) == expected_record(x, x, level)
+    assert len(page_batch.new_record(100)) == 100 and type(page_batch.new_record(1)) is bytearray
