@@ -25,6 +25,7 @@ cdef extern from "kvd_pagecodec.h" nogil:
         int ngaps
         int64_t gap_start[3]
         int64_t gap_len[3]
+    void kvd_store_fence()
     int kvd_page_encode(const kvd_backend *b, const kvd_page_spec *s, const uint16_t *src, uint8_t *dst,
                         kvd_hash_fn hash)
     int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const uint8_t *src, int64_t length,
@@ -148,6 +149,7 @@ def encode_row(Backend be, tuple layers, list recs, src_k, src_v, Py_ssize_t t0)
                     fail = i
                     break
                 memcpy(dst[i] + specs[2 * i].size + specs[2 * i + 1].size, trail[i], tlen[i])
+            kvd_store_fence()  # streamed page stores are visible to every thread before Python goes on
     finally:
         PyMem_Free(specs); PyMem_Free(dst); PyMem_Free(trail); PyMem_Free(tlen)
     return fail

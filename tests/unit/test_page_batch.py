@@ -192,3 +192,20 @@ def test_a_reused_buffer_gives_the_same_bytes(level: str, shape: tuple[int, int,
         assert ext.encode_row(kernels.load(backend), ((ks, vs, TRAILER),), [rec], src, src, 0) == -1
         assert bytes(rec) == expected_record(x, x, level)
     assert len(page_batch.new_record(100)) == 100 and type(page_batch.new_record(1)) is bytearray
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("where", [0, 31, 32, 35])
+def test_fp16_pages_refuse_non_finite_values_in_the_streamed_part_and_the_rest(backend: str, where: int) -> None:
+    # 3 x 1 x 12 = 36 values: 32 go through the streaming loop, 4 through the plain one
+    t, h, d = 3, 1, 12
+    ks, vs = specs("fp16", t, h, d)
+    be = kernels.load(backend)
+    src = rand((1, t, h, d), 14)
+    recs = [bytearray(ks.size + vs.size + len(TRAILER))]
+    assert ext.encode_row(be, ((ks, vs, TRAILER),), recs, src, src, 0) == -1
+    assert bytes(recs[0]) == expected_record(src[0], src[0], "fp16")
+    bad = src.copy()
+    bad.reshape(-1)[where] = np.inf
+    assert ext.encode_row(be, ((ks, vs, TRAILER),), recs, bad, src, 0) == 0
+    assert ext.encode_row(be, ((ks, vs, TRAILER),), recs, src, bad, 0) == 0
