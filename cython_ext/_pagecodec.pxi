@@ -215,6 +215,7 @@ def decode_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_
                 if rc != KVD_OK:
                     fail = r0 + i
                     break
+            kvd_store_fence()
     finally:
         PyMem_Free(specs); PyMem_Free(src)
     if fail < 0 and n < r1 - r0:

@@ -89,6 +89,21 @@ static int kvd_copy_f16_checked_nt(const uint16_t *restrict src, uint16_t *restr
     if (kvd_copy_f16_checked(src + i, dst + i, n - i) != KVD_OK) rc = KVD_NONFINITE;
     return rc;
 }
+/* n bytes to a 16-byte aligned dst with streaming stores (a decoded page goes to a caller's array) */
+static void kvd_copy_nt(const uint8_t *restrict src, uint8_t *restrict dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), e);
+    }
+    memcpy(dst + i, src + i, (size_t)(n - i));
+}
 #define KVD_HAVE_NT 1
 static inline void kvd_store_fence(void) { _mm_sfence(); }
 #else
@@ -157,6 +172,12 @@ static int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const u
     const uint16_t *mins = (const uint16_t *)(src + s->off_mins);
     switch (s->level) {
     case KVD_LV_FP16:
+#ifdef KVD_HAVE_NT
+        if (((uintptr_t)dst & 15) == 0) {
+            kvd_copy_nt(data, (uint8_t *)dst, n * d * 2);
+            return KVD_OK;
+        }
+#endif
         memcpy(dst, data, (size_t)(n * d * 2));
         return KVD_OK;
     case KVD_LV_Q8:
