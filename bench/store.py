@@ -32,9 +32,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvd import kernels  # noqa: E402
+from kvd import kernels, page_batch  # noqa: E402
 from kvd import store_pool as sp  # noqa: E402
 from kvd.evaluate import attention, sample_path  # noqa: E402
+from kvd.netopts import tune_malloc  # noqa: E402
 from kvd.store import Store  # noqa: E402
 
 GiB = 1 << 30
@@ -241,9 +242,18 @@ def table(header: list[str], rows: list[list[str]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument(
+        "--default-malloc", action="store_true",
+        help="leave glibc's malloc as it is (by default the bench tunes it as a shard process does)",
+    )  # fmt: skip
     args = ap.parse_args()
     t0 = time.perf_counter()
-    print(f"kernels backend: {kernels.BACKEND}; page_tokens 64, sink_tokens 4, window_tokens 0 (defaults)\n")
+    # A shard's process recycles large buffers (ShardServer.start calls tune_malloc): measure the store there.
+    tuned = not args.default_malloc and tune_malloc()
+    print(
+        f"kernels backend: {kernels.BACKEND}; batched page codec: {page_batch.ENABLED}; malloc tuned: {tuned}; "
+        "page_tokens 64, sink_tokens 4, window_tokens 0 (defaults)\n"
+    )
 
     print("## Throughput (GB/s of fp16 keys + values; medians)\n")
     table(
