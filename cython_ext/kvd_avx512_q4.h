@@ -3,6 +3,7 @@
 #define KVD_AVX512_Q4_H
 
 #include "kvd_avx512_util.h"
+#include "kvd_avx512_q4rot.h"
 
 /* ======================================================================================================== */
 /* q4 rows */
@@ -359,6 +360,13 @@ KVD_I512 void kvd512_q4_dec_rot(const uint8_t *packed, const uint16_t *scales, c
 KVD_T512 static int kvd512_q4_decode_rows(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
                                           uint16_t *out, int64_t n, int64_t d, int64_t group, int rotate) {
     const int64_t ng = kvd_ngroups(d, group), pb = (d + 1) / 2;
+    if (rotate && group == 32 && (d == 128 || d == 64)) { /* the codec's shapes: tables, see kvd_avx512_q4rot.h */
+        if (d == 128)
+            kvd512_q4d_rot32(packed, scales, mins, out, n, 4);
+        else
+            kvd512_q4d_rot32(packed, scales, mins, out, n, 2);
+        return KVD_OK;
+    }
     if (rotate && d >= 16 && d <= 128) {
         switch (d) {
         case 16: kvd512_q4_dec_rot(packed, scales, mins, out, n, 16, group); break;

@@ -169,13 +169,17 @@ KVD_I512 int kvd512_absmax_rows_g32(const uint16_t *x, ptrdiff_t xs, int64_t n, 
     const __m512i m7fff = _mm512_set1_epi16(0x7fff);
     int64_t r0 = 0;
     for (; r0 + R <= n; r0 += R) {
+        /* q8 quantizes the signed values z; fp8 the magnitudes a (kept in registers from pass 1, so z dies
+         * there and nothing spills) with the sign bits parked in memory as one 32-bit mask per group */
         __m512i z[16], a[16];
+        uint32_t sg[16];
         KVD_UNROLL
         for (int i = 0; i < 16; i++) {
             const uint16_t *p = x + (r0 + i / G) * xs + 32 * (i % G);
             _mm_prefetch((const char *)(p + KVD_PF_AHEAD), _MM_HINT_T0);
             z[i] = _mm512_loadu_si512(p);
-            a[i] = _mm512_and_si512(z[i], m7fff); /* dies after the tree: pass 2 recomputes it from z */
+            a[i] = _mm512_and_si512(z[i], m7fff);
+            if (fmt >= 0) _store_mask32((__mmask32 *)&sg[i], _mm512_movepi16_mask(z[i]));
         }
         __m256i am = kvd512_red_max_epu16(a);
         if (_mm256_cmpge_epu16_mask(am, _mm256_set1_epi16(0x7c00))) return KVD_NONFINITE;
@@ -184,30 +188,31 @@ KVD_I512 int kvd512_absmax_rows_g32(const uint16_t *x, ptrdiff_t xs, int64_t n, 
         kvd512_absmax_scales(am, code_max, &s16, &inv);
         float invs[16] __attribute__((aligned(64)));
         _mm512_store_ps(invs, inv);
+        /* re-read the inverse scales from memory: a broadcast load costs no ALU slot, while GCC otherwise
+         * broadcasts them from the register with a vpbroadcastd + vpermd pair */
+        __asm__ volatile("" ::: "memory");
         uint8_t *out = codes + r0 * d;
         KVD_UNROLL
         for (int i = 0; i < 16; i += 2) {
             __m512i q[4];
-            __mmask64 sign = 0;
             KVD_UNROLL
             for (int h = 0; h < 2; h++) {
                 const __m512 invb = _mm512_set1_ps(invs[i + h]);
-                const __m512i v = z[i + h];
                 if (fmt < 0) {
+                    const __m512i v = z[i + h];
                     q[2 * h] = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(v)), invb), KVD_RNE);
                     q[2 * h + 1] = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)), invb), KVD_RNE);
                 } else {
-                    sign |= (__mmask64)_mm512_movepi16_mask(v) << (32 * h);
-                    const __m512i av = _mm512_and_si512(v, m7fff);
-                    q[2 * h] = kvd512_fp8_mag_nomask(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(av)), invb), fmt);
-                    q[2 * h + 1] = kvd512_fp8_mag_nomask(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(av, 1)), invb), fmt);
+                    const __m512i av = a[i + h];
+                    q[2 * h] = kvd512_fp8_w(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(av)), invb), fmt);
+                    q[2 * h + 1] = kvd512_fp8_w(_mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(av, 1)), invb), fmt);
                 }
             }
-            __m512i b = kvd512_pack_q8(q[0], q[1], q[2], q[3]);
-            if (fmt >= 0)
-                b = _mm512_mask_add_epi8(b, sign, b, _mm512_set1_epi8((char)0x80));
+            __m512i b;
+            if (fmt >= 0) /* groups i and i + 1: one 64-bit mask straight from memory */
+                b = kvd512_fp8_pack(q[0], q[1], q[2], q[3], _load_mask64((__mmask64 *)&sg[i]), fmt);
             else
-                b = _mm512_max_epi8(b, _mm512_set1_epi8(-127));
+                b = _mm512_max_epi8(kvd512_pack_q8(q[0], q[1], q[2], q[3]), _mm512_set1_epi8(-127));
             _mm512_storeu_si512(out + 32 * i, b);
         }
         _mm256_storeu_si256((__m256i *)(scales + r0 * G), s16);

@@ -546,3 +546,96 @@ def test_missing_extension_falls_back_to_reference_with_a_warning():
 def test_load_unknown_backend_raises():
     with pytest.raises(BackendUnavailable, match="available"):
         kernels.load("bogus")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the fast paths of the codec's shapes (rows of 64 or 128 values in groups of 32), adversarially
+
+
+def _every_f16_in_groups(absmax: float, d: int) -> np.ndarray:
+    """Every finite float16 bit pattern (both signs, +-0 and subnormals), 31 per group of 32, the group's
+    32nd value fixing its absmax (so the scale), as rows of d values."""
+    vals = np.arange(0x10000, dtype=np.uint32)
+    vals = vals[(vals & 0x7C00) != 0x7C00].astype(np.uint16).view(np.float16)
+    vals = vals[np.abs(vals.astype(np.float32)) <= absmax]
+    groups = -(-vals.size // 31)
+    body = np.zeros(groups * 31, np.float16)
+    body[: vals.size] = vals
+    x = np.concatenate([body.reshape(groups, 31), np.full((groups, 1), absmax, np.float16)], axis=1)
+    rows = -(-x.size // d)
+    flat = np.zeros(rows * d, np.float16)
+    flat[: x.size] = x.ravel()
+    return flat.reshape(rows, d)
+
+
+@pytest.mark.parametrize("fmt", (0, 1))
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("absmax", (1.0, 448.0, 65504.0, 2.0**-14, 6e-8))
+def test_fp8_rows_of_32_every_float16_value(fmt, d, absmax):
+    """The fp8 rows fast path rounds by an fma trick (kvd_avx512_util.h): every finite float16 value, at
+    scales from subnormal to the largest, gives the reference's code."""
+    x = _every_f16_in_groups(absmax, d)
+    want = encode(ref, "fp8_e4m3" if fmt == 0 else "fp8_e5m2", x, 32)
+    for name in COMPILED:
+        got = encode(IMPLS[name], "fp8_e4m3" if fmt == 0 else "fp8_e5m2", x, 32)
+        assert_same_encoding("fp8", x, 32, want, got, name)
+
+
+@pytest.mark.parametrize("level", ("fp8_e4m3", "fp8_e5m2", "q8_rows", "q4_rot"))
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("n", (1, 3, 4, 5, 7, 8, 9, 17, 33))
+@pytest.mark.parametrize("how", ("contiguous", "every_other_row", "padded"))
+def test_rows_of_32_batches_and_tails(level, d, n, how):
+    """Row counts that are not a multiple of a batch (16 groups: 4 rows of 128, 8 of 64), row strides, and
+    a mix of +-0, subnormals, huge and constant rows, encoded and decoded like the reference."""
+    rng = np.random.default_rng(n * 1000 + d)
+    x = make_x(rng, "mixed", n, d)
+    x[0, :32] = np.float16(-0.0)  # a group of -0 only
+    x[n // 2, 32:64] = np.float16(65504.0)  # a constant group at the top of the range
+    x[-1, :16] = np.uint16(1).view(np.float16)  # the smallest subnormal
+    x = layout(x, how)
+    want = encode(ref, level, x, 32)
+    want_out = decode(ref, level, want, x.shape, 32)
+    for name in COMPILED:
+        got = encode(IMPLS[name], level, x, 32)
+        assert_same_encoding(level, x, 32, want, got, name)
+        got_out = decode(IMPLS[name], level, want, x.shape, 32)
+        assert np.array_equal(bits(want_out), bits(got_out)), f"{name}: {level} decoded values differ"
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("n", (1, 4, 6, 8, 11))
+@pytest.mark.parametrize("pos", ("first", "middle", "last"))
+@pytest.mark.parametrize("bad", (np.nan, np.inf, -np.inf))
+def test_rows_of_32_non_finite_is_refused(d, n, pos, bad):
+    """NaN/Inf anywhere in a batch (also in the rows after the last whole batch) is refused by every level."""
+    x = make_x(np.random.default_rng(3), "normal", n, d)
+    r = {"first": 0, "middle": n // 2, "last": n - 1}[pos]
+    x[r, (7 * r + 5) % d] = bad
+    for name in COMPILED:
+        for level in ("fp8_e4m3", "fp8_e5m2", "q8_rows", "q4_rot"):
+            with pytest.raises(NonFiniteError):
+                encode(IMPLS[name], level, x, 32)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("n", (1, 3, 4, 5, 8, 9, 13))
+@pytest.mark.parametrize("scale", ("small", "large", "mixed"))
+def test_q4_rot_decode_tables_and_clamp(d, n, scale):
+    """The q4 rotated decoder (a 16-entry table per group; the clamp to +-65504 skipped for batches whose
+    parameters cannot reach it) on any codes, with parameters on both sides of that bound and negative ones."""
+    rng = np.random.default_rng(d + 17 * n)
+    packed = rng.integers(0, 256, (n, d // 2), dtype=np.uint8)
+    sc = {"small": 1.0, "large": 4000.0, "mixed": 1.0}[scale]
+    scales = (rng.random((n, d // 32)) * sc).astype(np.float16)
+    mins = (rng.standard_normal((n, d // 32)) * sc).astype(np.float16)
+    if scale == "mixed":  # one group of the batch past the bound, one negative scale, +-0 parameters
+        scales[n // 2, 0] = 600.0
+        scales[0, -1] = -3.0
+        mins[-1, 0] = np.float16(-0.0)
+        scales[-1, -1] = np.float16(0.0)
+    enc = {"packed": packed, "scales": scales, "mins": mins}
+    want = decode(ref, "q4_rot", enc, (n, d), 32)
+    for name in COMPILED:
+        got = decode(IMPLS[name], "q4_rot", enc, (n, d), 32)
+        assert np.array_equal(bits(want), bits(got)), f"{name}: q4_rot decoded values differ"
