@@ -246,12 +246,19 @@ def main() -> None:
         "--default-malloc", action="store_true",
         help="leave glibc's malloc as it is (by default the bench tunes it as a shard process does)",
     )  # fmt: skip
+    ap.add_argument(
+        "--one-thread", action="store_true",
+        help="never split a large append or get over the codec's second thread (the default splits from 1 MiB)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.one_thread:
+        page_batch.PARALLEL_MIN_BYTES = 1 << 62
     t0 = time.perf_counter()
     # A shard's process recycles large buffers (ShardServer.start calls tune_malloc): measure the store there.
     tuned = not args.default_malloc and tune_malloc()
     print(
         f"kernels backend: {kernels.BACKEND}; batched page codec: {page_batch.ENABLED}; malloc tuned: {tuned}; "
+        f"codec threads: {1 if args.one_thread else 2}; "
         "page_tokens 64, sink_tokens 4, window_tokens 0 (defaults)\n"
     )
 

@@ -8,6 +8,7 @@
 # together raise ValueError (the store builds them itself, so that is a bug).
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport uint64_t
 from libc.string cimport memcpy
@@ -220,4 +221,49 @@ def decode_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_
         PyMem_Free(specs); PyMem_Free(src)
     if fail < 0 and n < r1 - r0:
         fail = r0 + n
+    return fail
+
+
+def decode_pages(Backend be, list specs, list srcs, list outs) -> int:
+    """Check and decode page ``srcs[i]`` (any buffer) into ``outs[i]``, a C-contiguous float16 ``[T, H, D]``,
+    by ``specs[i]``. Returns -1, or the first ``i`` not decoded (its bytes do not match the spec, or an output
+    the C path cannot take: decode it through kvd.pages)."""
+    cdef Py_ssize_t n = len(specs), i, got = 0, fail = -1
+    cdef PageSpec spec
+    cdef int rc
+    if _page_hash == NULL or len(srcs) != n or len(outs) != n:
+        raise ValueError("decode_pages: no hash function or specs/pages/outputs mismatch")
+    if n == 0:
+        return -1
+    cdef Py_buffer *views = <Py_buffer *>PyMem_Malloc(n * sizeof(Py_buffer))
+    cdef const kvd_page_spec **sp = <const kvd_page_spec **>PyMem_Malloc(n * sizeof(void *))
+    cdef uint16_t **dst = <uint16_t **>PyMem_Malloc(n * sizeof(void *))
+    if views == NULL or sp == NULL or dst == NULL:
+        PyMem_Free(views); PyMem_Free(sp); PyMem_Free(dst)
+        raise MemoryError()
+    try:
+        for i in range(n):
+            spec = <PageSpec?>specs[i]
+            out = outs[i]
+            if not _pages_ok(out, spec, 3, spec.tokens, 1) or cnp.PyArray_DIM(<cnp.ndarray>out, 0) != spec.tokens:
+                break
+            try:
+                PyObject_GetBuffer(srcs[i], &views[i], PyBUF_SIMPLE)
+            except (TypeError, BufferError):  # not a contiguous buffer: kvd.pages names the problem
+                break
+            got += 1
+            sp[i], dst[i] = &spec.s, <uint16_t *>_data(out)
+        with nogil:
+            for i in range(got):
+                rc = kvd_page_decode(be.b, sp[i], <const uint8_t *>views[i].buf, views[i].len, dst[i], _page_hash)
+                if rc != KVD_OK:
+                    fail = i
+                    break
+            kvd_store_fence()
+    finally:
+        for i in range(got):
+            PyBuffer_Release(&views[i])
+        PyMem_Free(views); PyMem_Free(sp); PyMem_Free(dst)
+    if fail < 0 and got < n:
+        fail = got
     return fail

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import xxhash
 
-from kvd import kernels, pages
+from kvd import kernels
 
 try:
     from kvd import _kernels as _ext
@@ -70,11 +72,12 @@ ENABLED: bool = _BACKEND is not None and HASH_OK  # the store's paths use it
 
 
 @functools.lru_cache(maxsize=1024)
-def spec(level: str, role: str, t: int, h: int, d: int) -> Any:
-    """The :class:`PageSpec` of a page without raw heads (None when the batch path is off)."""
+def spec(flat: tuple[Any, ...]) -> Any:
+    """The C codec's ``PageSpec`` of a layout flattened by :func:`kvd.pages.flat_layout` (None when the batch
+    path is off). Cached: the store and the page readers ask for the same few layouts over and over."""
     if not ENABLED:
         return None
-    return _ext.PageSpec(*pages.flat_layout(level, role, t, h, d))
+    return _ext.PageSpec(*flat)
 
 
 def encode_row(
@@ -91,3 +94,36 @@ def decode_run(recs: list[bytearray], r0: int, r1: int, specs_by_code: tuple[Any
     is its byte at ``-code_from_end``, ``specs_by_code[code]`` its ``(key spec, value spec)`` or None.
     Returns -1, or the first record left undone (decode it through :mod:`kvd.pages`)."""
     return _ext.decode_run(_BACKEND, recs, r0, r1, specs_by_code, code_from_end, kout, vout)
+
+
+def decode_pages(specs: list[Any], srcs: list[Any], outs: list[Any]) -> int:
+    """Check and decode page ``srcs[i]`` into ``outs[i]`` (float16 ``[T, H, D]``, C-contiguous) by ``specs[i]``.
+    Returns -1, or the first page left undone (decode it through :mod:`kvd.pages`)."""
+    return _ext.decode_pages(_BACKEND, specs, srcs, outs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# two threads for big batches: the C calls release the GIL, so a second thread doubles the kernel work done
+
+PARALLEL_MIN_BYTES = 1 << 20  # below this a hand-off to the second thread costs more than it saves
+_POOL: list[ThreadPoolExecutor] = []
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def split_run(fn: Callable[[Sequence[_T]], _R], items: Sequence[_T], *, parallel: bool) -> tuple[_R, ...]:
+    """``fn(items)`` here, or (``parallel`` and at least two items) ``fn`` of the first half here and of the second
+    half on kvd's helper thread, at once. Returns the results in order; an exception of either half is raised
+    (the first half's first) after both are done."""
+    if not parallel or len(items) < 2:
+        return (fn(items),)
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-codec"))
+    half = len(items) // 2
+    other = _POOL[0].submit(fn, items[half:])
+    try:
+        first = fn(items[:half])
+    except BaseException:
+        other.exception()  # waits: no work on the caller's data outlives the call
+        raise
+    return first, other.result()

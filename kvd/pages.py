@@ -36,13 +36,12 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
-from kvd import kernels
+from kvd import kernels, page_batch
 from kvd.errors import CorruptPage, InvalidArgument, NonFiniteError, UnsupportedVersion
 
 FORMAT_VERSION = 1
@@ -242,6 +241,18 @@ def _remember(cache: dict, key: object, layout: _Layout) -> _Layout:
     return layout
 
 
+_BATCH_SPECS: dict[bytes, object] = {}
+
+
+def _batch_spec(lay: _Layout) -> object:
+    """The C codec's spec of a layout (kvd.page_batch), or None (raw heads, or the batch path is off)."""
+    spec = _BATCH_SPECS.get(lay.head)
+    if spec is None and lay.head not in _BATCH_SPECS:
+        spec = page_batch.spec(_flat(lay)) if not lay.raw_heads else None
+        _remember(_BATCH_SPECS, lay.head, spec)  # type: ignore[arg-type]
+    return spec
+
+
 def _encode_layout(level: str, role: str, t: int, h: int, d: int, raw_heads: Sequence[int]) -> _Layout:
     key = (level, role, t, h, d, tuple(raw_heads))
     lay = _ENCODE_LAYOUTS.get(key)
@@ -265,11 +276,14 @@ def flat_layout(level: str, role: str, t: int, h: int, d: int) -> tuple[object, 
     rotated, group, kernel matrix rows and cols, offsets of the data / scales / mins sections (0 if absent),
     page size, checksum seed, the constant prefix bytes (checksum zero), the page shape and the padding
     ranges to zero."""
-    lay = _encode_layout(level, role, t, h, d, ())
+    return _flat(_encode_layout(level, role, t, h, d, ()))
+
+
+def _flat(lay: _Layout) -> tuple[object, ...]:
     off = {s.name: s.offset for s in lay.sections}
     data = off.get("raw", off.get("codes", off.get("packed", 0)))
     return (
-        _LEVEL_CODE[level], lay.axis, lay.rotated, lay.group, *lay.matrix, data, off.get("scales", 0),
+        _LEVEL_CODE[lay.level], lay.axis, lay.rotated, lay.group, *lay.matrix, data, off.get("scales", 0),
         off.get("mins", 0), lay.size, lay.seed, lay.head, lay.shape, lay.gaps,
     )  # fmt: skip
 
@@ -499,97 +513,12 @@ def _decode_matrix(lay: _Layout, v: dict[str, np.ndarray], m: np.ndarray) -> Non
 
 
 # ---------------------------------------------------------------------------------------------------------
-# assembling a range from pages (used by get(format="pages") readers)
+# assembling a range from pages lives in kvd.pages_assemble (it reads this module); the names stay here
 
+from kvd.pages_assemble import PARALLEL_MIN_BYTES, assemble, assemble_into  # noqa: E402
 
-def assemble(
-    entries: Sequence[tuple[int, int, object, object]], start: int, end: int, layers: Sequence[int] | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Rebuild ``(keys, values)`` float16 ``[L', end-start, H, D]`` from ``(layer, token0, key_page, value_page)``
-    entries (as ``Store.get_pages`` returns them). ``layers`` gives the output order (default: the entries' layers
-    in order of first appearance). Raises InvalidArgument if the pages do not cover ``[start, end)`` of a layer.
-    """
-    if end < start:
-        raise InvalidArgument(f"end {end} < start {start}")
-    order = list(dict.fromkeys(e[0] for e in entries)) if layers is None else list(layers)
-    first = header(entries[0][2]) if entries else None
-    h, d = (first.heads, first.head_dim) if first else (1, 1)
-    keys = np.empty((len(order), end - start, h, d), np.float16)
-    values = np.empty_like(keys)
-    assemble_into(entries, start, end, keys, values, order)
-    return keys, values
-
-
-PARALLEL_MIN_BYTES = 1 << 20  # below this a second thread costs more than it saves
-_POOL: list[ThreadPoolExecutor] = []
-
-
-def _pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvd-pages"))
-    return _POOL[0]
-
-
-def assemble_into(
-    entries: Sequence[tuple[int, int, object, object]],
-    start: int,
-    end: int,
-    keys_out: np.ndarray,
-    values_out: np.ndarray,
-    layers: Sequence[int] | None = None,
-    *,
-    parallel: bool | None = None,
-) -> None:
-    """Like :func:`assemble`, decoding straight into ``keys_out`` and ``values_out`` (float16, C-contiguous,
-    ``[L', end-start, H, D]``). Pages are checked and decoded on two threads when there is enough work
-    (``parallel=None``: at least PARALLEL_MIN_BYTES of output; the kernels release the GIL)."""
-    if end < start:
-        raise InvalidArgument(f"end {end} < start {start}")
-    order = list(dict.fromkeys(e[0] for e in entries)) if layers is None else list(layers)
-    slot = {layer: i for i, layer in enumerate(order)}
-    want = (len(order), end - start)
-    for name, out in (("keys_out", keys_out), ("values_out", values_out)):
-        if not isinstance(out, np.ndarray) or out.dtype != np.float16 or out.shape[:2] != want or out.ndim != 4:
-            raise InvalidArgument(
-                f"{name} must be a float16 array [{want[0]}, {want[1]}, H, D], got {getattr(out, 'shape', out)}"
-            )
-        if not out.flags.c_contiguous or not out.flags.writeable:
-            raise InvalidArgument(f"{name} must be writable and C-contiguous")
-    h, d = keys_out.shape[2:]
-    covered = np.zeros(want, bool)
-    jobs: list[tuple[object, np.ndarray, int, int]] = []  # page, destination, first and end token in the page
-    for layer, token0, kp, vp in entries:
-        if layer not in slot:
-            continue
-        i = slot[layer]
-        for page, dst in ((kp, keys_out), (vp, values_out)):
-            hd = header(page)
-            if (hd.heads, hd.head_dim) != (h, d):
-                raise InvalidArgument(
-                    f"page of layer {layer} at token {token0} has shape {hd.shape}, expected [*, {h}, {d}]"
-                )
-            lo, hi = max(start, token0), min(end, token0 + hd.tokens)
-            if lo >= hi:
-                continue
-            jobs.append((page, dst[i, lo - start : hi - start], lo - token0, hi - token0))
-            covered[i, lo - start : hi - start] = True
-    if not covered.all():
-        i, t = (int(v) for v in np.argwhere(~covered)[0])
-        raise InvalidArgument(f"pages do not cover token {start + t} of layer {order[i]}")
-    if parallel is None:
-        parallel = keys_out.nbytes + values_out.nbytes >= PARALLEL_MIN_BYTES
-    if parallel and len(jobs) > 1:
-        half = len(jobs) // 2
-        other = _pool().submit(_decode_jobs, jobs[half:])
-        _decode_jobs(jobs[:half])
-        other.result()
-    else:
-        _decode_jobs(jobs)
-
-
-def _decode_jobs(jobs: Sequence[tuple[object, np.ndarray, int, int]]) -> None:
-    for page, dst, lo, hi in jobs:
-        if lo == 0 and hi == header(page).tokens:
-            decode_into(page, dst)
-        else:
-            dst[...] = decode(page)[lo:hi]
+__all__ = [
+    "FORMAT_VERSION", "GROUPS", "LEVELS", "PARALLEL_MIN_BYTES", "ROLES", "PageHeader", "as_f16", "assemble",
+    "assemble_into", "bf16_bits_to_f16", "decode", "decode_into", "encode", "encode_into", "flat_layout",
+    "header", "nbytes",
+]  # fmt: skip

@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd import buffers, store_seq
+from kvd import buffers, page_batch, store_seq
 from kvd import store_pool as sp
 from kvd.errors import (
     ConfigError,
@@ -270,14 +270,17 @@ class Store(Compaction):
                 m = min(t, p - f)  # rows [f, f+m) of the tail are not visible until the length moves
                 np.copyto(tail[0, :, f : f + m], k16[:, :m])
                 np.copyto(tail[1, :, f : f + m], v16[:, :m])
+            jobs: list[sp.SealJob] = []
             for r, plan in zip(rows, plans, strict=True):
                 if r == r0 and f:
                     assert tail is not None
                     src_k, src_v, a = tail[0], tail[1], 0
                 else:
                     src_k, src_v, a = k16, v16, r * p - n
-                recs = sp.seal_row(self._ledger.pool, plan.layers, src_k, src_v, a, p, r, taken, plan.batch)
+                recs = sp.take_row(self._ledger.pool, plan.layers, taken)
+                jobs.append((recs, plan.layers, plan.batch, src_k, src_v, a, r))
                 sealed.append((recs, plan))
+            sp.seal_rows(jobs, p, parallel=len(jobs) * ns.tail_bytes >= page_batch.PARALLEL_MIN_BYTES)
             for r in exits if recode else ():
                 assert seq is not None
                 for i in ns.quant_layers:

@@ -207,23 +207,14 @@ def encode_record(
     write_trailer(rec, sealed_epoch=epoch, sealed_fmt=fmt, flags=flags)
 
 
-def seal_row(
-    pool: BufferPool,
-    layers: tuple[tuple[str, int, int, int, tuple[int, ...], bytes], ...],
-    src_k: np.ndarray,
-    src_v: np.ndarray,
-    a: int,
-    p: int,
-    row: int,
-    taken: Taken,
-    batch: tuple[tuple[Any, Any, bytes], ...] | None = None,
-) -> list[bytearray]:
-    """Encode one row of pages (every layer's tokens ``[a, a + p)`` of ``src_k`` / ``src_v`` ``[L, T, H, D]``)
-    into records taken from ``pool`` (recorded in ``taken``, sizes included), per layer ``(format, record
-    bytes, key page bytes, value page bytes, raw heads, trailer)`` (``kvd.store_seq.RowPlan.layers``), in one
-    call into C when ``batch`` (``RowPlan.batch``) is given. The hot path of an append: one pass, no per-page
-    re-validation. NonFiniteError names the layer and the tokens of ``row``; on any error the records taken
-    so far stay in ``taken`` for the caller to give back."""
+RowLayers = tuple[tuple[str, int, int, int, tuple[int, ...], bytes], ...]
+# one row to seal: its records, per layer (format, record bytes, key page bytes, value page bytes, raw heads,
+# trailer) (kvd.store_seq.RowPlan.layers), RowPlan.batch, the source arrays, the first source token, the row
+SealJob = tuple[list[bytearray], RowLayers, Any, np.ndarray, np.ndarray, int, int]
+
+
+def take_row(pool: BufferPool, layers: RowLayers, taken: Taken) -> list[bytearray]:
+    """Records for one row of pages (one per layer), taken from ``pool`` and recorded in ``taken``."""
     take, bufs = pool.take_record, taken.bufs
     recs = []
     for layer in layers:
@@ -232,25 +223,41 @@ def seal_row(
         bufs.append((rec, from_pool))
         taken.record_bytes += size
         recs.append(rec)
-    first = 0
-    if batch is not None:
-        first = page_batch.encode_row(batch, recs, src_k, src_v, a)
-        if first < 0:
-            return recs
-    # the per-page path: no C spec for these pages, or layer `first` holds a non-finite value to be named
-    enc, b = pages.encode_into, a + p
-    for i in range(first, len(layers)):
-        fmt, size, kb, vb, rh, trailer = layers[i]
-        mv = memoryview(recs[i])
-        name = "keys"
-        try:
-            enc(src_k[i, a:b], fmt, mv[:kb], role="key", raw_heads=rh)
-            name = "values"
-            enc(src_v[i, a:b], fmt, mv[kb : kb + vb], role="value", raw_heads=rh)
-        except NonFiniteError as exc:
-            raise NonFiniteError(f"{name} of layer {i}, tokens [{row * p}, {row * p + p}): {exc}") from None
-        mv[size - TRAILER_BYTES :] = trailer
     return recs
+
+
+def seal_rows(jobs: list[SealJob], p: int, *, parallel: bool) -> None:
+    """Encode rows of pages into their records: every layer's tokens ``[a, a + p)`` of the job's ``src_k`` /
+    ``src_v`` ``[L, T, H, D]``. The hot path of an append: rows with a C spec go to the batched codec (split
+    over two threads when ``parallel``), the rest and any row it stops at page by page, in row order, so a
+    NonFiniteError names the first layer and tokens with a bad value. Records are left to the caller."""
+    left: dict[int, int] = {}  # job index -> first layer the C path did not encode
+
+    def encode(part: list[tuple[int, SealJob]]) -> list[tuple[int, int]]:
+        undone = []
+        for n, (recs, _, batch, src_k, src_v, a, _) in part:
+            first = page_batch.encode_row(batch, recs, src_k, src_v, a) if batch is not None else 0
+            if first >= 0:
+                undone.append((n, first))
+        return undone
+
+    for undone in page_batch.split_run(encode, list(enumerate(jobs)), parallel=parallel):
+        left.update(undone)
+    enc = pages.encode_into
+    for n in sorted(left):
+        recs, layers, _, src_k, src_v, a, row = jobs[n]
+        b = a + p
+        for i in range(left[n], len(layers)):
+            fmt, size, kb, vb, rh, trailer = layers[i]
+            mv = memoryview(recs[i])
+            name = "keys"
+            try:
+                enc(src_k[i, a:b], fmt, mv[:kb], role="key", raw_heads=rh)
+                name = "values"
+                enc(src_v[i, a:b], fmt, mv[kb : kb + vb], role="value", raw_heads=rh)
+            except NonFiniteError as exc:
+                raise NonFiniteError(f"{name} of layer {i}, tokens [{row * p}, {row * p + p}): {exc}") from None
+            mv[size - TRAILER_BYTES :] = trailer
 
 
 def decode_record(rec: bytearray, sizes: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:

@@ -169,8 +169,8 @@ class Namespace:
         self.specs: dict[str, tuple[Any, Any]] = {}
         for fmt in pages.LEVELS:
             if fmt == RAW or not raw_heads:
-                ks = page_batch.spec(fmt, "key", page_tokens, heads, head_dim)
-                vs = page_batch.spec(fmt, "value", page_tokens, heads, head_dim)
+                ks = page_batch.spec(pages.flat_layout(fmt, "key", page_tokens, heads, head_dim))
+                vs = page_batch.spec(pages.flat_layout(fmt, "value", page_tokens, heads, head_dim))
                 if ks is not None and vs is not None:
                     self.specs[fmt] = (ks, vs)
         self.specs_by_code = tuple(self.specs.get(fmt) for fmt in pages.LEVELS)
@@ -255,7 +255,19 @@ def check_out(out: object, name: str, layers: int, tokens: int, h: int, d: int) 
 def read_into(seq: Seq, s: int, e: int, lay: Sequence[int], p: int, keys: np.ndarray, values: np.ndarray) -> None:
     """Decode tokens ``[s, e)`` of layers ``lay`` into ``keys[j, :e - s]`` / ``values[j, :e - s]`` (buffers
     checked by :func:`check_out`): pages lying fully inside the range straight into the output, partial ones
-    through a scratch page."""
+    through a scratch page; the layers split over two threads when the output is large."""
+    parallel = 2 * len(lay) * (e - s) * seq.ns.heads * seq.ns.head_dim * 2 >= page_batch.PARALLEL_MIN_BYTES
+
+    def read(part: Sequence[tuple[int, int]]) -> None:
+        _read_layers(seq, s, e, part, p, keys, values)
+
+    page_batch.split_run(read, list(enumerate(lay)), parallel=parallel)
+
+
+def _read_layers(
+    seq: Seq, s: int, e: int, part: Sequence[tuple[int, int]], p: int, keys: np.ndarray, values: np.ndarray
+) -> None:
+    """:func:`read_into` for the ``(output index, layer)`` pairs of ``part`` (reads only: safe on two threads)."""
     ns = seq.ns
     sizes, off = ns.sizes_by_code, sp.CUR_FMT_FROM_END
     decode_into = pages.decode_into
@@ -266,7 +278,7 @@ def read_into(seq: Seq, s: int, e: int, lay: Sequence[int], p: int, keys: np.nda
     full_hi = min(e // p, n_sealed)
     scratch: np.ndarray | None = None
     batch = ns.specs_by_code if full_hi > full_lo and any(ns.specs_by_code) else None
-    for j, i in enumerate(lay):
+    for j, i in part:
         recs = seq.pages[i]
         kj, vj = keys[j], values[j]
         done = (-1, -1)  # rows the C codec decoded; the ones it leaves (raw heads, damage) go through pages

@@ -209,3 +209,38 @@ def test_fp16_pages_refuse_non_finite_values_in_the_streamed_part_and_the_rest(b
     bad.reshape(-1)[where] = np.inf
     assert ext.encode_row(be, ((ks, vs, TRAILER),), recs, bad, src, 0) == 0
     assert ext.encode_row(be, ((ks, vs, TRAILER),), recs, src, bad, 0) == 0
+
+
+@pytest.mark.parametrize("level", ["fp16", "q8", "q4"])
+def test_two_threads_give_the_same_store_as_one(monkeypatch, level: str) -> None:
+    k, v = rand((4, 200, 2, 32), 15), rand((4, 200, 2, 32), 16)
+
+    def filled() -> Store:
+        s = Store(1 << 26, page_tokens=16, sink_tokens=0)
+        s.register("m", num_layers=4, num_kv_heads=2, head_dim=32)
+        s.set_level(level, 1)
+        s.append("m", 1, k[:, :7], v[:, :7])
+        s.append("m", 1, k[:, 7:], v[:, 7:])
+        return s
+
+    one = filled()
+    monkeypatch.setattr(page_batch, "PARALLEL_MIN_BYTES", 0)
+    two = filled()
+    for a, b in zip(one.get_pages("m", 1), two.get_pages("m", 1), strict=True):
+        assert a == b
+    for lo, hi, layers in ((0, 200, None), (5, 190, [3, 0, 2]), (16, 48, [1])):
+        for a, b in zip(one.get("m", 1, lo, hi, layers), two.get("m", 1, lo, hi, layers), strict=True):
+            np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_on_two_threads_the_error_names_the_first_bad_row(monkeypatch) -> None:
+    monkeypatch.setattr(page_batch, "PARALLEL_MIN_BYTES", 0)
+    s = Store(1 << 26, page_tokens=16, sink_tokens=0)
+    s.register("m", num_layers=2, num_kv_heads=2, head_dim=32)
+    s.set_level("q8", 1)
+    k, v = rand((2, 128, 2, 32), 17), rand((2, 128, 2, 32), 18)
+    k[1, 20, 0, 0] = np.inf  # row 1, handled by the first thread
+    k[0, 100, 1, 3] = np.nan  # row 6, handled by the second
+    with pytest.raises(NonFiniteError, match=r"keys of layer 1, tokens \[16, 32\)"):
+        s.append("m", 1, k, v)
+    assert s.stats()["tokens"] == 0
