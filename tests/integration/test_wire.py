@@ -484,6 +484,28 @@ def test_topology_refresh_after_a_shard_moves() -> None:
             s.stop()
 
 
+@pytest.mark.timeout(60)
+def test_a_get_too_large_for_one_reply_is_fetched_in_parts() -> None:
+    # max_frames 5: a pages reply holds at most 2 pages; max_frame_bytes 4096: an fp16 frame at most 64 tokens of
+    # this layout. Both gets come back MessageTooLarge first and are then fetched as halves by the client.
+    small = ServerProcess("shard-small", store={"page_tokens": 16},
+                          server={"limits": {"max_frames": 5, "max_frame_bytes": 4096}})
+    try:
+        with Client(small.endpoint, timeout_s=10) as c:
+            c.register(NS, **LAYOUT)
+            k, v = kv(tokens=50)  # 2 layers x 50 tokens x 2 heads x 16 dims: 6400 bytes per tensor
+            c.append(NS, "big", k[:, :25], v[:, :25])
+            c.append(NS, "big", k[:, 25:], v[:, 25:])
+            for fmt in ("fp16", "pages"):
+                keys, values = c.get(NS, "big", format=fmt)
+                assert np.array_equal(keys, k) and np.array_equal(values, v), fmt
+                keys, values = c.get(NS, "big", 3, 47, layers=[1], format=fmt)
+                assert np.array_equal(keys, k[1:, 3:47]) and np.array_equal(values, v[1:, 3:47]), fmt
+            assert small.metrics()["errors"] >= 4  # the first attempts were refused, not served partially
+    finally:
+        small.stop()
+
+
 @pytest.mark.timeout(30)
 def test_every_call_has_a_timeout() -> None:
     ctx = zmq.Context()
