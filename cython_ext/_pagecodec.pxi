@@ -267,3 +267,29 @@ def decode_pages(Backend be, list specs, list srcs, list outs) -> int:
     if fail < 0 and got < n:
         fail = got
     return fail
+
+
+def any_nonfinite(a) -> int:
+    """1 if the float16 ``[L, T, H, D]`` array (every ``[i]`` C-contiguous) holds a NaN or Inf, 0 if not, -1 if
+    the array is not of that form (ask numpy). The cheap check of an append's tokens that stay unencoded."""
+    if not cnp.PyArray_Check(a):
+        return -1
+    cdef cnp.ndarray arr = <cnp.ndarray>a
+    if cnp.PyArray_NDIM(arr) != 4 or cnp.PyArray_TYPE(arr) != NPY_HALF or not cnp.PyArray_ISNOTSWAPPED(arr) \
+            or not (cnp.PyArray_FLAGS(arr) & cnp.NPY_ARRAY_ALIGNED):
+        return -1
+    cdef Py_ssize_t l = cnp.PyArray_DIM(arr, 0), t = cnp.PyArray_DIM(arr, 1)
+    cdef Py_ssize_t h = cnp.PyArray_DIM(arr, 2), d = cnp.PyArray_DIM(arr, 3)
+    if (t > 1 and cnp.PyArray_STRIDE(arr, 1) != 2 * h * d) or (h > 1 and cnp.PyArray_STRIDE(arr, 2) != 2 * d) \
+            or (d > 1 and cnp.PyArray_STRIDE(arr, 3) != 2):
+        return -1
+    cdef const char *base = <const char *>_data(arr)
+    cdef Py_ssize_t s0 = cnp.PyArray_STRIDE(arr, 0), n = t * h * d, i, j
+    cdef const uint16_t *row
+    cdef uint16_t bad = 0
+    with nogil:
+        for i in range(l):
+            row = <const uint16_t *>(base + i * s0)
+            for j in range(n):
+                bad |= <uint16_t>((row[j] & 0x7c00) == 0x7c00)
+    return 1 if bad else 0

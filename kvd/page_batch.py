@@ -102,6 +102,15 @@ def decode_pages(specs: list[Any], srcs: list[Any], outs: list[Any]) -> int:
     return _ext.decode_pages(_BACKEND, specs, srcs, outs)
 
 
+def any_nonfinite(a: Any) -> bool | None:
+    """Whether float16 ``a`` ``[L, T, H, D]`` (each ``a[i]`` contiguous) holds NaN/Inf, in one C pass; None when
+    the extension is missing or the array is not of that form."""
+    if _ext is None:
+        return None
+    r = _ext.any_nonfinite(a)
+    return None if r < 0 else bool(r)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # two threads for big batches: the C calls release the GIL, so a second thread doubles the kernel work done
 

@@ -88,6 +88,8 @@ def check_kv(ns: Namespace, keys: object, values: object) -> tuple[np.ndarray, n
 
 def refuse_nonfinite(a: np.ndarray, name: str, t0: int) -> None:
     """Raise NonFiniteError naming the first NaN/Inf of float16 ``a`` ``[L, T, H, D]`` (tokens offset by t0)."""
+    if page_batch.any_nonfinite(a) is False:  # the usual answer, in one C pass instead of four numpy ones
+        return
     bad = (a.view(np.uint16) & 0x7FFF) >= 0x7C00
     if bad.any():
         i, t, h, d = (int(x) for x in np.argwhere(bad)[0])

@@ -244,3 +244,20 @@ def test_on_two_threads_the_error_names_the_first_bad_row(monkeypatch) -> None:
     with pytest.raises(NonFiniteError, match=r"keys of layer 1, tokens \[16, 32\)"):
         s.append("m", 1, k, v)
     assert s.stats()["tokens"] == 0
+
+
+def test_any_nonfinite_finds_every_nan_and_inf_and_declines_other_forms() -> None:
+    base = rand((3, 70, 2, 32), 19)
+    for x in (base, base[:, 5:9], base[::2, :1]):  # contiguous, a token slice, a layer-strided one
+        assert page_batch.any_nonfinite(x) is False
+        for where in ((0, 0, 0, 0), (x.shape[0] - 1, x.shape[1] - 1, 1, 31), (1 % x.shape[0], 0, 1, 7)):
+            for bad in (np.nan, np.inf, -np.inf, np.float16(np.nan) * -1):
+                y = x.copy() if x.base is None else x
+                old = y[where]
+                y[where] = bad
+                assert page_batch.any_nonfinite(y) is True
+                y[where] = old
+    assert page_batch.any_nonfinite(np.float16(65504) * np.ones((1, 3, 2, 2), np.float16)) is False
+    assert page_batch.any_nonfinite(base[:, :, :, ::2]) is None  # not contiguous within a layer
+    assert page_batch.any_nonfinite(base.astype(np.float32)) is None
+    assert page_batch.any_nonfinite(base[0]) is None  # not [L, T, H, D]
