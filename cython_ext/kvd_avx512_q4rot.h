@@ -18,22 +18,6 @@
 
 #include "kvd_avx512_util.h"
 
-/* the four in-register butterfly stages (lane distance 1, 2, 4, 8) of kvd512_fwht_regs, on nz registers */
-KVD_I512 void kvd512_fwht_lanes(__m512 *z, const int nz) {
-    const __m512 s1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
-    const __m512 s2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
-    const __m512 s4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
-    const __m512 s8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
-    KVD_UNROLL
-    for (int i = 0; i < nz; i++) z[i] = _mm512_fmadd_ps(z[i], s1, _mm512_permute_ps(z[i], 0xB1));
-    KVD_UNROLL
-    for (int i = 0; i < nz; i++) z[i] = _mm512_fmadd_ps(z[i], s2, _mm512_permute_ps(z[i], 0x4E));
-    KVD_UNROLL
-    for (int i = 0; i < nz; i++) z[i] = _mm512_fmadd_ps(z[i], s4, _mm512_shuffle_f32x4(z[i], z[i], 0xB1));
-    KVD_UNROLL
-    for (int i = 0; i < nz; i++) z[i] = _mm512_fmadd_ps(z[i], s8, _mm512_shuffle_f32x4(z[i], z[i], 0x4E));
-}
-
 /* ======================================================================================================== */
 /* decode */
 

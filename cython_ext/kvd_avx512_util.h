@@ -248,13 +248,13 @@ KVD_I512 __m512i kvd512_fp8_pack(__m512i w0, __m512i w1, __m512i w2, __m512i w3,
     return _mm512_mask_add_epi8(b, sign, b, _mm512_set1_epi8((char)0x80)); /* the sign bit (bit 7 is clear) */
 }
 
-/* ---- unnormalized FWHT of one row held in nz (1, 2, 4 or 8) registers --------------------------------- */
-KVD_I512 void kvd512_fwht_regs(__m512 *z, const int nz) {
+/* the four in-register butterfly stages (lane distance 1, 2, 4, 8), on each of nz registers; a multiply by
+ * +-1 is exact, so each fma rounds once, exactly like the reference's add or subtract */
+KVD_I512 void kvd512_fwht_lanes(__m512 *z, const int nz) {
     const __m512 s1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
     const __m512 s2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
     const __m512 s4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
     const __m512 s8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
-    /* stage by stage across the registers: independent operations side by side */
     KVD_UNROLL
     for (int i = 0; i < nz; i++) z[i] = _mm512_fmadd_ps(z[i], s1, _mm512_permute_ps(z[i], 0xB1));
     KVD_UNROLL
@@ -263,6 +263,12 @@ KVD_I512 void kvd512_fwht_regs(__m512 *z, const int nz) {
     for (int i = 0; i < nz; i++) z[i] = _mm512_fmadd_ps(z[i], s4, _mm512_shuffle_f32x4(z[i], z[i], 0xB1));
     KVD_UNROLL
     for (int i = 0; i < nz; i++) z[i] = _mm512_fmadd_ps(z[i], s8, _mm512_shuffle_f32x4(z[i], z[i], 0x4E));
+}
+
+/* ---- unnormalized FWHT of one row held in nz (1, 2, 4 or 8) registers --------------------------------- */
+KVD_I512 void kvd512_fwht_regs(__m512 *z, const int nz) {
+    /* stage by stage across the registers: independent operations side by side */
+    kvd512_fwht_lanes(z, nz);
     KVD_UNROLL
     for (int h = 1; h < nz; h *= 2)
         KVD_UNROLL
