@@ -30,7 +30,7 @@ cdef extern from "kvd_pagecodec.h" nogil:
     int kvd_page_encode(const kvd_backend *b, const kvd_page_spec *s, const uint16_t *src, uint8_t *dst,
                         kvd_hash_fn hash)
     int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const uint8_t *src, int64_t length,
-                        uint16_t *dst, kvd_hash_fn hash)
+                        uint16_t *dst, kvd_hash_fn hash, int stream)
 
 
 cdef kvd_hash_fn _page_hash = NULL
@@ -157,11 +157,11 @@ def encode_row(Backend be, tuple layers, list recs, src_k, src_v, Py_ssize_t t0)
 
 
 def decode_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_by_code, Py_ssize_t code_from_end,
-               kout, vout) -> int:
+               kout, vout, bint stream=False) -> int:
     """Decode the records ``recs[r0:r1]`` (consecutive full pages of one layer) into tokens ``[(r - r0) * P,
     (r - r0 + 1) * P)`` of ``kout`` / ``vout``, float16 ``[(r1 - r0) * P or more, H, D]``, C-contiguous. A record's format code is its byte at
-    ``-code_from_end``; ``specs_by_code[code]`` is ``(key spec, value spec)`` or None. Returns -1, or the first
-    ``r`` not decoded (no spec, or its bytes do not match the spec: decode it through kvd.pages)."""
+    ``-code_from_end``; ``specs_by_code[code]`` is ``(key spec, value spec)`` or None; ``stream``: fp16 pages
+    bypass the cache (a very large read). Returns -1, or the first ``r`` not decoded (no spec, or its bytes do not match the spec: decode it through kvd.pages)."""
     cdef Py_ssize_t n = r1 - r0, i, fail = -1, code, size
     cdef PageSpec ks, vs
     cdef int rc
@@ -209,10 +209,10 @@ def decode_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_
         with nogil:
             for i in range(n):
                 rc = kvd_page_decode(be.b, specs[2 * i], src[i], specs[2 * i].size,
-                                     <uint16_t *>(kbase + i * kl), _page_hash)
+                                     <uint16_t *>(kbase + i * kl), _page_hash, stream)
                 if rc == KVD_OK:
                     rc = kvd_page_decode(be.b, specs[2 * i + 1], src[i] + specs[2 * i].size, specs[2 * i + 1].size,
-                                         <uint16_t *>(vbase + i * vl), _page_hash)
+                                         <uint16_t *>(vbase + i * vl), _page_hash, stream)
                 if rc != KVD_OK:
                     fail = r0 + i
                     break
@@ -255,7 +255,7 @@ def decode_pages(Backend be, list specs, list srcs, list outs) -> int:
             sp[i], dst[i] = &spec.s, <uint16_t *>_data(out)
         with nogil:
             for i in range(got):
-                rc = kvd_page_decode(be.b, sp[i], <const uint8_t *>views[i].buf, views[i].len, dst[i], _page_hash)
+                rc = kvd_page_decode(be.b, sp[i], <const uint8_t *>views[i].buf, views[i].len, dst[i], _page_hash, 0)
                 if rc != KVD_OK:
                     fail = i
                     break

@@ -89,7 +89,7 @@ static int kvd_copy_f16_checked_nt(const uint16_t *restrict src, uint16_t *restr
     if (kvd_copy_f16_checked(src + i, dst + i, n - i) != KVD_OK) rc = KVD_NONFINITE;
     return rc;
 }
-/* n bytes to a 16-byte aligned dst with streaming stores (a decoded page goes to a caller's array) */
+/* n bytes to a 16-byte aligned dst with streaming stores (a decoded page of a very large read) */
 static void kvd_copy_nt(const uint8_t *restrict src, uint8_t *restrict dst, int64_t n) {
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
@@ -156,10 +156,11 @@ static int kvd_page_encode(const kvd_backend *b, const kvd_page_spec *s, const u
 }
 
 /* Check the page at src (len bytes) against the spec (header bytes, length, checksum) and decode it into
- * dst, a C-contiguous float16 [T, H, D]. KVD_CORRUPT (nothing written) when anything does not match: the
+ * dst, a C-contiguous float16 [T, H, D]; `stream`: write fp16 pages past the cache (for outputs too large to
+ * be read back from it; a reply about to be sent is better left in cache). KVD_CORRUPT (nothing written) when anything does not match: the
  * caller then hands the page to kvd.pages, which decodes any valid page and names what is wrong otherwise. */
 static int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const uint8_t *src, int64_t len,
-                           uint16_t *dst, kvd_hash_fn hash) {
+                           uint16_t *dst, kvd_hash_fn hash, int stream) {
     if (len != s->size || memcmp(src, s->head, KVD_SUM_OFFSET) != 0 ||
         memcmp(src + KVD_SUM_OFFSET + 8, s->head + KVD_SUM_OFFSET + 8,
                (size_t)(s->prefix - KVD_SUM_OFFSET - 8)) != 0)
@@ -173,7 +174,7 @@ static int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const u
     switch (s->level) {
     case KVD_LV_FP16:
 #ifdef KVD_HAVE_NT
-        if (((uintptr_t)dst & 15) == 0) {
+        if (stream && ((uintptr_t)dst & 15) == 0) {
             kvd_copy_nt(data, (uint8_t *)dst, n * d * 2);
             return KVD_OK;
         }

@@ -258,16 +258,18 @@ def read_into(seq: Seq, s: int, e: int, lay: Sequence[int], p: int, keys: np.nda
     """Decode tokens ``[s, e)`` of layers ``lay`` into ``keys[j, :e - s]`` / ``values[j, :e - s]`` (buffers
     checked by :func:`check_out`): pages lying fully inside the range straight into the output, partial ones
     through a scratch page; the layers split over two threads when the output is large."""
-    parallel = 2 * len(lay) * (e - s) * seq.ns.heads * seq.ns.head_dim * 2 >= page_batch.PARALLEL_MIN_BYTES
+    nbytes = 2 * len(lay) * (e - s) * seq.ns.heads * seq.ns.head_dim * 2
+    stream = nbytes >= page_batch.STREAM_MIN_BYTES
 
     def read(part: Sequence[tuple[int, int]]) -> None:
-        _read_layers(seq, s, e, part, p, keys, values)
+        _read_layers(seq, s, e, part, p, keys, values, stream)
 
-    page_batch.split_run(read, list(enumerate(lay)), parallel=parallel)
+    page_batch.split_run(read, list(enumerate(lay)), parallel=nbytes >= page_batch.PARALLEL_MIN_BYTES)
 
 
 def _read_layers(
-    seq: Seq, s: int, e: int, part: Sequence[tuple[int, int]], p: int, keys: np.ndarray, values: np.ndarray
+    seq: Seq, s: int, e: int, part: Sequence[tuple[int, int]], p: int, keys: np.ndarray, values: np.ndarray,
+    stream: bool,
 ) -> None:
     """:func:`read_into` for the ``(output index, layer)`` pairs of ``part`` (reads only: safe on two threads)."""
     ns = seq.ns
@@ -286,7 +288,7 @@ def _read_layers(
         done = (-1, -1)  # rows the C codec decoded; the ones it leaves (raw heads, damage) go through pages
         if batch is not None:
             lo, hi = full_lo * p - s, full_hi * p - s
-            stop = page_batch.decode_run(recs, full_lo, full_hi, batch, off, kj[lo:hi], vj[lo:hi])
+            stop = page_batch.decode_run(recs, full_lo, full_hi, batch, off, kj[lo:hi], vj[lo:hi], stream=stream)
             done = (full_lo, full_hi if stop < 0 else stop)
         for r in range(r_lo, r_hi):
             if done[0] <= r < done[1]:

@@ -55,7 +55,8 @@ def test_encode_row_writes_the_bytes_of_pages_encode(backend: str, level: str, s
 @pytest.mark.parametrize("backend", COMPILED)
 @pytest.mark.parametrize("level", pages.LEVELS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_decode_run_matches_pages_decode(backend: str, level: str, shape: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_run_matches_pages_decode(backend: str, level: str, shape: tuple[int, int, int], stream) -> None:
     t, h, d = shape
     rows = 4
     k, v = rand((rows, t, h, d), 3), rand((rows, t, h, d), 4)
@@ -66,7 +67,8 @@ def test_decode_run_matches_pages_decode(backend: str, level: str, shape: tuple[
     by_code = tuple(specs(level, t, h, d) if c == code else None for c in range(len(pages.LEVELS)))
     kout = np.full((rows * t + 3, h, d), np.float16(7))
     vout = np.full((rows * t + 3, h, d), np.float16(7))
-    assert ext.decode_run(kernels.load(backend), recs, 1, rows, by_code, sp.CUR_FMT_FROM_END, kout, vout) == -1
+    be = kernels.load(backend)
+    assert ext.decode_run(be, recs, 1, rows, by_code, sp.CUR_FMT_FROM_END, kout, vout, stream) == -1
     for r in range(1, rows):
         lo = (r - 1) * t
         for out, x, role in ((kout, k, "key"), (vout, v, "value")):
