@@ -147,6 +147,10 @@ class StoreSettings:
     compact_budget_bytes: int = _setting(
         8 * MIB, size_at_least(4 * KIB), "bytes re-encoded per compaction step between requests after a level rise"
     )
+    warm_cache_bytes: int = _setting(
+        256 * MIB, size_at_least(0), "freed result buffers of large gets kept warm for reuse, per shard process "
+        "(outside capacity_bytes; 0 turns it off)"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -29,6 +29,7 @@ import time
 import uuid
 from typing import Any
 
+from kvd import buffers
 from kvd.config import Config
 from kvd.errors import ConfigError
 
@@ -66,6 +67,7 @@ class Shard:
         self._incarnation = uuid.uuid4().hex
         self._started_at = time.time()
         self._store = Store(config.shard_capacity_bytes, **config.store_kwargs())
+        buffers.cache_bytes(config.store.warm_cache_bytes)  # process-wide, like ShardServer's malloc tuning
         bind_host = resolve_host(host)
         curve = curve_server_config(config)
         last_exc: Exception | None = None
@@ -109,7 +111,8 @@ class Shard:
         return int(self._store.stats()["epoch"])
 
     def stats(self) -> dict[str, Any]:
-        """The store's stats plus the server's metrics (``server_*``) and this shard's identity."""
+        """The store's stats plus the server's metrics (``server_*``), this shard's identity and its process's
+        warm result buffers (``warm_cache_bytes`` kept at most, ``warm_cached_bytes`` kept now)."""
         out = dict(self._store.stats())
         try:
             for key, value in self._server.metrics().items():
@@ -117,6 +120,8 @@ class Shard:
         except Exception as exc:  # noqa: BLE001 - status must not fail because of metrics
             out["server_error"] = str(exc)
         out.update(self.info())
+        out["warm_cache_bytes"] = buffers.cache_bytes()
+        out["warm_cached_bytes"] = buffers.cached()[1]
         return out
 
     def info(self) -> dict[str, Any]:

@@ -59,6 +59,7 @@ def make_config(shards: int, **extra: Any) -> Config:
         "store.eviction": "none",
         "policy.ewma_alpha": 1.0,
         "policy.hysteresis": 0.5,
+        "store.warm_cache_bytes": "3MiB",
         **extra,
     }
     return load_config(env={}, overrides=overrides)
@@ -128,6 +129,8 @@ def test_sequences_spread_and_pressure_moves_every_shard_to_q8_then_q4_and_back(
     with connect(cluster) as client:
         ids = shard_ids(cluster)
         assert len(ids) == 3
+        # each shard process applied the configured bound on its warm result buffers (3 MiB)
+        assert {ray.get(h.stats.remote())["warm_cache_bytes"] for h in cluster.shards.values()} == {3 << 20}
 
         # Fill to just past 0.80 at fp16: every shard moves to q8 under one epoch.
         stored = fill(client, "a", 0.82)
