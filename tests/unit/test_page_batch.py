@@ -8,7 +8,7 @@ import pytest
 
 from kvd import kernels, page_batch, pages
 from kvd import store_pool as sp
-from kvd.errors import CorruptPage, NonFiniteError, UnknownSequence
+from kvd.errors import CorruptPage, KvdError, NonFiniteError, UnknownSequence
 from kvd.store import Store
 
 ext = pytest.importorskip("kvd._kernels", reason="the compiled extension is what this module tests")
@@ -263,3 +263,22 @@ def test_any_nonfinite_finds_every_nan_and_inf_and_declines_other_forms() -> Non
     assert page_batch.any_nonfinite(base[:, :, :, ::2]) is None  # not contiguous within a layer
     assert page_batch.any_nonfinite(base.astype(np.float32)) is None
     assert page_batch.any_nonfinite(base[0]) is None  # not [L, T, H, D]
+
+
+@pytest.mark.parametrize("level", pages.LEVELS)
+def test_assemble_refuses_every_header_bit_flip_and_payload_flips_through_the_c_path(level: str) -> None:
+    # assemble_into decodes whole pages in C: a damaged page must be refused there exactly as kvd.pages does
+    t, h, d = 16, 2, 32
+    k, v = rand((1, t, h, d), 20), rand((1, t, h, d), 21)
+    kp, vp = pages.encode(k[0], level, role="key"), pages.encode(v[0], level, role="value")
+    out_k, out_v = np.empty((1, t, h, d), np.float16), np.empty((1, t, h, d), np.float16)
+    pages.assemble_into([(0, 0, kp, vp)], 0, t, out_k, out_v, parallel=False)
+    np.testing.assert_array_equal(out_k.view(np.uint16), pages.decode(kp)[None].view(np.uint16))
+    rng = np.random.default_rng(22)
+    flips = [(byte, bit) for byte in range(pages.HEADER_BYTES) for bit in range(8)]
+    flips += [(int(rng.integers(pages.HEADER_BYTES, len(vp))), int(rng.integers(8))) for _ in range(64)]
+    for byte, bit in flips:
+        bad = bytearray(vp)
+        bad[byte] ^= 1 << bit
+        with pytest.raises(KvdError):
+            pages.assemble_into([(0, 0, kp, bytes(bad))], 0, t, out_k, out_v, parallel=False)
