@@ -15,14 +15,17 @@ capacity. Without the compiled extension this is plain ``numpy.empty``.
 
 from __future__ import annotations
 
+import importlib
 import math
+from typing import Any
 
 import numpy as np
 
+_ext: Any
 try:
-    from kvd import _kernels as _ext
+    _ext = importlib.import_module("kvd._kernels")
 except ImportError:  # not built
-    _ext = None  # type: ignore[assignment]
+    _ext = None
 
 MIN_BYTES = 1 << 20  # below this, malloc's own reuse is as good
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -39,7 +42,10 @@ def cache_bytes(limit: int | None = None) -> int:
 
 def cached() -> tuple[int, int]:
     """(blocks, bytes) kept for reuse now."""
-    return (0, 0) if _ext is None else tuple(_ext.warm_cache_info())  # type: ignore[return-value]
+    if _ext is None:
+        return (0, 0)
+    blocks, nbytes = _ext.warm_cache_info()
+    return int(blocks), int(nbytes)
 
 
 def empty_f16(shape: tuple[int, ...]) -> np.ndarray:

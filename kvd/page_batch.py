@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -29,10 +30,11 @@ import xxhash
 
 from kvd import kernels
 
+_ext: Any
 try:
-    from kvd import _kernels as _ext
+    _ext = importlib.import_module("kvd._kernels")
 except ImportError:  # not built: the per-page path is all there is
-    _ext = None  # type: ignore[assignment]
+    _ext = None
 
 
 def _hash_address() -> int:
@@ -40,9 +42,7 @@ def _hash_address() -> int:
     if _ext is None:
         return 0
     try:
-        from xxhash import _xxhash
-
-        lib = ctypes.CDLL(_xxhash.__file__)
+        lib = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
         for name in ("XXH3_64bits_withSeed_dispatch", "XXH3_64bits_withSeed"):  # the dispatching one picks SIMD
             fn = getattr(lib, name, None)
             if fn is not None:

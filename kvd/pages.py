@@ -371,8 +371,8 @@ def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Seq
         if len(rh) < h:
             q = np.delete(a, rh, axis=1) if rh else a
             _encode_matrix(lay, q.reshape(lay.matrix), v)
-    for a, b in lay.gaps:  # a reused buffer must not carry old bytes into the page (or out to a client)
-        mv[a:b] = _ZEROS[: b - a]
+    for lo, hi in lay.gaps:  # a reused buffer must not carry old bytes into the page (or out to a client)
+        mv[lo:hi] = _ZEROS[: hi - lo]
     mv[: lay.prefix] = lay.head
     _SUM.pack_into(mv, _HEAD.size, xxhash.xxh3_64_intdigest(mv[lay.prefix : lay.size], lay.seed))
     return lay.size

@@ -24,6 +24,7 @@ they were measured with tracemalloc on CPython 3.11 (see tests/unit/test_store_m
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -233,7 +234,7 @@ def seal_rows(jobs: list[SealJob], p: int, *, parallel: bool) -> None:
     NonFiniteError names the first layer and tokens with a bad value. Records are left to the caller."""
     left: dict[int, int] = {}  # job index -> first layer the C path did not encode
 
-    def encode(part: list[tuple[int, SealJob]]) -> list[tuple[int, int]]:
+    def encode(part: Sequence[tuple[int, SealJob]]) -> list[tuple[int, int]]:
         undone = []
         for n, (recs, _, batch, src_k, src_v, a, _) in part:
             first = page_batch.encode_row(batch, recs, src_k, src_v, a) if batch is not None else 0
