@@ -369,7 +369,8 @@ def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Seq
         if rh:
             kernels.f16_copy_rows(np.ascontiguousarray(a[:, list(rh), :]).reshape(t, len(rh) * d), v["rawheads"])
         if len(rh) < h:
-            q = np.delete(a, rh, axis=1) if rh else a
+            # np.delete can return odd strides for a size-1 head_dim (not C-contiguous): the kernel needs rows
+            q = np.ascontiguousarray(np.delete(a, rh, axis=1)) if rh else a
             _encode_matrix(lay, q.reshape(lay.matrix), v)
     for lo, hi in lay.gaps:  # a reused buffer must not carry old bytes into the page (or out to a client)
         mv[lo:hi] = _ZEROS[: hi - lo]
