@@ -5,6 +5,10 @@
  * row groups. Column blocks compute 8 scales per vector with the same IEEE steps. The float16 tricks are the
  * ones of kvd_avx512.h: absmax and the NaN/Inf check on (bits & 0x7fff), q4 min/max on signed integer keys
  * (-0 ordered just below +0), FMA with a +-1 multiplier for the in-register Hadamard butterflies.
+ *
+ * The codec's shapes take the tuned paths of kvd_avx2_q8.h (q8 / fp8 rows with groups of 32k: batches of 8
+ * groups with vectorized scales; q8 columns in blocks of 128) and kvd_avx2_q4.h (q4 columns in blocks of 64;
+ * rotated q4 rows of 64 or 128 values, encode and decode). The code below is the generic path and the tails.
  */
 #ifndef KVD_AVX2_H
 #define KVD_AVX2_H
@@ -129,6 +133,18 @@ KVD_I256 __m256i kvd256_key32(__m256i b) {
     return _mm256_xor_si256(b, _mm256_and_si256(_mm256_srai_epi32(b, 31), _mm256_set1_epi32(0x7fffffff)));
 }
 
+/* 8 nibbles starting at an even element -> float32 */
+KVD_I256 __m256 kvd256_nib8(const uint8_t *p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    __m128i b = _mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)w));
+    b = _mm_and_si128(_mm_or_si128(b, _mm_slli_epi16(b, 4)), _mm_set1_epi16(0x0f0f));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+
+#include "kvd_avx2_q8.h"
+#include "kvd_avx2_q4.h"
+
 /* ======================================================================================================== */
 
 KVD_T256 static int kvd256_f16_copy_rows(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint16_t *out) {
@@ -143,6 +159,7 @@ KVD_T256 static int kvd256_f16_copy_rows(const uint16_t *x, ptrdiff_t xs, int64_
 
 KVD_I256 int kvd256_absmax_rows(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint8_t *codes,
                                 uint16_t *scales, int64_t group, const int fmt) {
+    if (group % 32 == 0 && d % group == 0) return kvd256_absmax_rows_fast(x, xs, n, d, codes, scales, group, fmt);
     const int64_t ng = kvd_ngroups(d, group);
     const float code_max = fmt < 0 ? 127.0f : kvd_fp8_max[fmt];
     float invs[256];
@@ -241,6 +258,8 @@ KVD_T256 static int kvd256_q8_encode_cols(const uint16_t *x, ptrdiff_t xs, int64
     for (int64_t t0 = 0, gi = 0; t0 < t; t0 += group, gi++) {
         const int64_t t1 = kvd_min64(t0 + group, t);
         int64_t c0 = 0;
+        for (; c0 + 128 <= c; c0 += 128)
+            if (kvd256_q8_cols_block128(x, xs, t0, t1, c, c0, codes, scales + gi * c + c0)) return KVD_NONFINITE;
         for (; c0 + 16 <= c; c0 += 16) {
             __m256i a = _mm256_setzero_si256();
             for (int64_t i = t0; i < t1; i++)
@@ -364,6 +383,12 @@ KVD_I256 void kvd256_q4_row(const float *y, int64_t d, int64_t group, uint8_t *s
 
 KVD_T256 static int kvd256_q4_encode_rows(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint8_t *packed,
                                           uint16_t *scales, uint16_t *mins, int64_t group, int rotate) {
+    if (rotate && (d == 64 || d == 128) && group % 8 == 0 && d % group == 0 && d / group <= 8) {
+        /* constant shapes for the codec's pages (groups of 32): fully unrolled transform and passes */
+        if (d == 128 && group == 32) return kvd256_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 32);
+        if (d == 64 && group == 32) return kvd256_q4_rows_rot(x, xs, n, packed, scales, mins, 64, 32);
+        return kvd256_q4_rows_rot(x, xs, n, packed, scales, mins, (int)d, (int)group);
+    }
     if (d > KVD_SCRATCH_FLOATS) return kvd_scalar_q4_encode_rows(x, xs, n, d, packed, scales, mins, group, rotate);
     float y[KVD_SCRATCH_FLOATS];
     uint8_t stage[KVD_SCRATCH_FLOATS];
@@ -385,17 +410,17 @@ KVD_T256 static int kvd256_q4_encode_rows(const uint16_t *x, ptrdiff_t xs, int64
     return KVD_OK;
 }
 
-/* 8 nibbles starting at an even element -> float32 */
-KVD_I256 __m256 kvd256_nib8(const uint8_t *p) {
-    uint32_t w;
-    memcpy(&w, p, 4);
-    __m128i b = _mm_cvtepu8_epi16(_mm_cvtsi32_si128((int)w));
-    b = _mm_and_si128(_mm_or_si128(b, _mm_slli_epi16(b, 4)), _mm_set1_epi16(0x0f0f));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
-}
-
 KVD_T256 static int kvd256_q4_decode_rows(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
                                           uint16_t *out, int64_t n, int64_t d, int64_t group, int rotate) {
+    if (rotate && (d == 64 || d == 128) && group % 8 == 0 && d % group == 0 && d / group <= 8) {
+        if (d == 128 && group == 32)
+            kvd256_q4_decode_rot(packed, scales, mins, out, n, 128, 32);
+        else if (d == 64 && group == 32)
+            kvd256_q4_decode_rot(packed, scales, mins, out, n, 64, 32);
+        else
+            kvd256_q4_decode_rot(packed, scales, mins, out, n, (int)d, (int)group);
+        return KVD_OK;
+    }
     if (d > KVD_SCRATCH_FLOATS) return kvd_scalar_q4_decode_rows(packed, scales, mins, out, n, d, group, rotate);
     float y[KVD_SCRATCH_FLOATS];
     const int64_t ng = kvd_ngroups(d, group), pb = (d + 1) / 2;
@@ -425,6 +450,9 @@ KVD_T256 static int kvd256_q4_encode_cols(const uint16_t *x, ptrdiff_t xs, int64
     for (int64_t t0 = 0, gi = 0; t0 < t; t0 += group, gi++) {
         const int64_t t1 = kvd_min64(t0 + group, t);
         int64_t c0 = 0;
+        for (; c0 + 64 <= c; c0 += 64)
+            if (kvd256_q4_cols_block64(x, xs, t0, t1, c0, packed, pb, scales + gi * c + c0, mins + gi * c + c0))
+                return KVD_NONFINITE;
         for (; c0 + 16 <= c; c0 += 16) {
             __m256i mx = kvd256_key(_mm256_loadu_si256((const __m256i *)(x + t0 * xs + c0))), mn = mx;
             for (int64_t i = t0 + 1; i < t1; i++) {

@@ -14,160 +14,29 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_cases import (  # tests/unit is on sys.path (pytest's default import mode)
+    BACKENDS,
+    COMPILED,
+    GROUPS,
+    IMPLS,
+    KINDS,
+    LEVELS,
+    SETTINGS,
+    assert_same_encoding,
+    bits,
+    cases,
+    decode,
+    encode,
+    garbage,
+    make_x,
+    ng,
+)
 
 from kvd import kernels
 from kvd import kernels_ref as ref
 from kvd.errors import BackendUnavailable, InvalidArgument, NonFiniteError
-
-BACKENDS = kernels.available()
-IMPLS = {name: kernels.load(name) for name in BACKENDS}
-COMPILED = [name for name in BACKENDS if name != "reference"]
-LEVELS = ("q8_rows", "q8_cols", "fp8_e4m3", "fp8_e5m2", "q4_rows", "q4_rot", "q4_cols")
-SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def ng(n: int, group: int) -> int:
-    return -(-n // group)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# running one level on one backend
-
-
-def encode(impl, level: str, x: np.ndarray, group: int) -> dict[str, np.ndarray]:
-    """Encoded outputs (filled with garbage first, so an unwritten element shows)."""
-    n, d = x.shape
-
-    def out(shape, dtype):
-        return _garbage(shape, dtype)
-
-    if level in ("q8_rows", "fp8_e4m3", "fp8_e5m2"):
-        codes = out((n, d), np.int8 if level == "q8_rows" else np.uint8)
-        scales = out((n, ng(d, group)), np.float16)
-        if level == "q8_rows":
-            impl.q8_encode_rows(x, codes, scales, group)
-        else:
-            impl.fp8_encode_rows(x, codes, scales, group, 0 if level == "fp8_e4m3" else 1)
-        return {"codes": codes, "scales": scales}
-    if level == "q8_cols":
-        codes, scales = out((n, d), np.int8), out((ng(n, group), d), np.float16)
-        impl.q8_encode_cols(x, codes, scales, group)
-        return {"codes": codes, "scales": scales}
-    if level in ("q4_rows", "q4_rot"):
-        packed = out((n, (d + 1) // 2), np.uint8)
-        scales, mins = out((n, ng(d, group)), np.float16), out((n, ng(d, group)), np.float16)
-        impl.q4_encode_rows(x, packed, scales, mins, group, level == "q4_rot")
-        return {"packed": packed, "scales": scales, "mins": mins}
-    assert level == "q4_cols"
-    packed = out((n, (d + 1) // 2), np.uint8)
-    scales, mins = out((ng(n, group), d), np.float16), out((ng(n, group), d), np.float16)
-    impl.q4_encode_cols(x, packed, scales, mins, group)
-    return {"packed": packed, "scales": scales, "mins": mins}
-
-
-def _garbage(shape, dtype) -> np.ndarray:
-    a = np.empty(shape, dtype)
-    a.view(np.uint8)[...] = 0xA5
-    return a
-
-
-def decode(impl, level: str, enc: dict[str, np.ndarray], shape: tuple[int, int], group: int) -> np.ndarray:
-    out = _garbage(shape, np.float16)
-    if level == "q8_rows":
-        impl.q8_decode_rows(enc["codes"], enc["scales"], out, group)
-    elif level == "q8_cols":
-        impl.q8_decode_cols(enc["codes"], enc["scales"], out, group)
-    elif level in ("fp8_e4m3", "fp8_e5m2"):
-        impl.fp8_decode_rows(enc["codes"], enc["scales"], out, group, 0 if level == "fp8_e4m3" else 1)
-    elif level in ("q4_rows", "q4_rot"):
-        impl.q4_decode_rows(enc["packed"], enc["scales"], enc["mins"], out, group, level == "q4_rot")
-    else:
-        impl.q4_decode_cols(enc["packed"], enc["scales"], enc["mins"], out, group)
-    return out
-
-
-def assert_same_encoding(level: str, x: np.ndarray, group: int, want: dict, got: dict, who: str) -> None:
-    for key in want:
-        assert np.array_equal(bits(want[key]), bits(got[key])), f"{who}: {level} {key} differ"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# inputs
-
-
-KINDS = ("normal", "bits", "zeros", "constant", "extreme", "denormal", "tiny", "outlier", "mixed")
-
-
-def make_x(rng: np.random.Generator, kind: str, n: int, d: int) -> np.ndarray:
-    if kind == "normal":
-        x = rng.standard_normal((n, d)) * 10.0 ** rng.integers(-3, 4)
-    elif kind == "bits":  # any finite float16, subnormals and +-0 included
-        b = rng.integers(0, 0x7C00, (n, d), dtype=np.uint16) | (rng.integers(0, 2, (n, d), dtype=np.uint16) << 15)
-        return b.view(np.float16)
-    elif kind == "zeros":  # +0.0 and -0.0
-        return np.where(rng.random((n, d)) < 0.5, np.float16(0.0), np.float16(-0.0)).astype(np.float16)
-    elif kind == "constant":
-        x = np.repeat(rng.standard_normal((n, 1)) * 100, d, axis=1)
-    elif kind == "extreme":
-        x = rng.choice([65504.0, -65504.0, 0.0, 1.0, -60000.0], (n, d))
-    elif kind == "denormal":
-        b = rng.integers(0, 0x0400, (n, d), dtype=np.uint16) | (rng.integers(0, 2, (n, d), dtype=np.uint16) << 15)
-        return b.view(np.float16)
-    elif kind == "tiny":
-        x = rng.standard_normal((n, d)) * 1e-6
-    elif kind == "outlier":
-        x = rng.standard_normal((n, d))
-        x[rng.integers(0, n), rng.integers(0, d)] = rng.choice([1000.0, -30000.0, 65504.0])
-    else:  # mixed: zeros, signs and magnitudes next to each other
-        x = rng.standard_normal((n, d)) * rng.choice([0.0, 1e-7, 1.0, 300.0], (n, d))
-        x = np.where(rng.random((n, d)) < 0.1, -0.0, x)
-    return np.clip(x, -65504, 65504).astype(np.float16)
-
-
-def layout(x: np.ndarray, how: str) -> np.ndarray:
-    """The same values, stored with a row stride (a view into a bigger array)."""
-    n, d = x.shape
-    if how == "padded":
-        big = np.full((n, d + 7), np.float16(np.nan))
-        big[:, 3 : 3 + d] = x
-        return big[:, 3 : 3 + d]
-    if how == "every_other_row":
-        big = np.full((2 * n, d), np.float16(np.inf))
-        big[::2] = x
-        return big[::2]
-    if how == "reversed":
-        return np.ascontiguousarray(x[::-1])[::-1]
-    if how == "read_only":
-        y = x.copy()
-        y.flags.writeable = False
-        return y
-    return np.ascontiguousarray(x)
-
-
-GROUPS = st.one_of(st.sampled_from([1, 3, 16, 32, 64, 128, 65535]), st.integers(1, 200))
-LAYOUTS = st.sampled_from(["contiguous", "padded", "every_other_row", "reversed", "read_only"])
-
-
-@st.composite
-def cases(draw, level: str):
-    seed = draw(st.integers(0, 2**32 - 1))
-    kind = draw(st.sampled_from(KINDS))
-    n = draw(st.one_of(st.sampled_from([1, 2, 4, 16, 64]), st.integers(1, 70)))
-    if level == "q4_rot":
-        d = draw(st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128, 256]))
-    else:
-        d = draw(st.one_of(st.sampled_from([1, 31, 32, 33, 64, 96, 128, 130]), st.integers(1, 160)))
-    group = draw(GROUPS)
-    how = draw(LAYOUTS)
-    x = make_x(np.random.default_rng(seed), kind, n, d)
-    return layout(x, how), group
-
 
 # ---------------------------------------------------------------------------------------------------------
 # bit-identity
@@ -221,7 +90,7 @@ def test_decode_arbitrary_codes_match_reference(level, seed, n, d, group):
 def test_f16_copy_rows_matches_reference(data):
     x, _ = data.draw(cases("q8_rows"))
     for name in BACKENDS:
-        out = _garbage(x.shape, np.float16)
+        out = garbage(x.shape, np.float16)
         IMPLS[name].f16_copy_rows(x, out)
         assert np.array_equal(bits(out), bits(np.ascontiguousarray(x))), name
 
@@ -548,94 +417,3 @@ def test_load_unknown_backend_raises():
         kernels.load("bogus")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# the fast paths of the codec's shapes (rows of 64 or 128 values in groups of 32), adversarially
-
-
-def _every_f16_in_groups(absmax: float, d: int) -> np.ndarray:
-    """Every finite float16 bit pattern (both signs, +-0 and subnormals), 31 per group of 32, the group's
-    32nd value fixing its absmax (so the scale), as rows of d values."""
-    vals = np.arange(0x10000, dtype=np.uint32)
-    vals = vals[(vals & 0x7C00) != 0x7C00].astype(np.uint16).view(np.float16)
-    vals = vals[np.abs(vals.astype(np.float32)) <= absmax]
-    groups = -(-vals.size // 31)
-    body = np.zeros(groups * 31, np.float16)
-    body[: vals.size] = vals
-    x = np.concatenate([body.reshape(groups, 31), np.full((groups, 1), absmax, np.float16)], axis=1)
-    rows = -(-x.size // d)
-    flat = np.zeros(rows * d, np.float16)
-    flat[: x.size] = x.ravel()
-    return flat.reshape(rows, d)
-
-
-@pytest.mark.parametrize("fmt", (0, 1))
-@pytest.mark.parametrize("d", (64, 128))
-@pytest.mark.parametrize("absmax", (1.0, 448.0, 65504.0, 2.0**-14, 6e-8))
-def test_fp8_rows_of_32_every_float16_value(fmt, d, absmax):
-    """The fp8 rows fast path rounds by an fma trick (kvd_avx512_util.h): every finite float16 value, at
-    scales from subnormal to the largest, gives the reference's code."""
-    x = _every_f16_in_groups(absmax, d)
-    want = encode(ref, "fp8_e4m3" if fmt == 0 else "fp8_e5m2", x, 32)
-    for name in COMPILED:
-        got = encode(IMPLS[name], "fp8_e4m3" if fmt == 0 else "fp8_e5m2", x, 32)
-        assert_same_encoding("fp8", x, 32, want, got, name)
-
-
-@pytest.mark.parametrize("level", ("fp8_e4m3", "fp8_e5m2", "q8_rows", "q4_rot"))
-@pytest.mark.parametrize("d", (64, 128))
-@pytest.mark.parametrize("n", (1, 3, 4, 5, 7, 8, 9, 17, 33))
-@pytest.mark.parametrize("how", ("contiguous", "every_other_row", "padded"))
-def test_rows_of_32_batches_and_tails(level, d, n, how):
-    """Row counts that are not a multiple of a batch (16 groups: 4 rows of 128, 8 of 64), row strides, and
-    a mix of +-0, subnormals, huge and constant rows, encoded and decoded like the reference."""
-    rng = np.random.default_rng(n * 1000 + d)
-    x = make_x(rng, "mixed", n, d)
-    x[0, :32] = np.float16(-0.0)  # a group of -0 only
-    x[n // 2, 32:64] = np.float16(65504.0)  # a constant group at the top of the range
-    x[-1, :16] = np.uint16(1).view(np.float16)  # the smallest subnormal
-    x = layout(x, how)
-    want = encode(ref, level, x, 32)
-    want_out = decode(ref, level, want, x.shape, 32)
-    for name in COMPILED:
-        got = encode(IMPLS[name], level, x, 32)
-        assert_same_encoding(level, x, 32, want, got, name)
-        got_out = decode(IMPLS[name], level, want, x.shape, 32)
-        assert np.array_equal(bits(want_out), bits(got_out)), f"{name}: {level} decoded values differ"
-
-
-@pytest.mark.parametrize("d", (64, 128))
-@pytest.mark.parametrize("n", (1, 4, 6, 8, 11))
-@pytest.mark.parametrize("pos", ("first", "middle", "last"))
-@pytest.mark.parametrize("bad", (np.nan, np.inf, -np.inf))
-def test_rows_of_32_non_finite_is_refused(d, n, pos, bad):
-    """NaN/Inf anywhere in a batch (also in the rows after the last whole batch) is refused by every level."""
-    x = make_x(np.random.default_rng(3), "normal", n, d)
-    r = {"first": 0, "middle": n // 2, "last": n - 1}[pos]
-    x[r, (7 * r + 5) % d] = bad
-    for name in COMPILED:
-        for level in ("fp8_e4m3", "fp8_e5m2", "q8_rows", "q4_rot"):
-            with pytest.raises(NonFiniteError):
-                encode(IMPLS[name], level, x, 32)
-
-
-@pytest.mark.parametrize("d", (64, 128))
-@pytest.mark.parametrize("n", (1, 3, 4, 5, 8, 9, 13))
-@pytest.mark.parametrize("scale", ("small", "large", "mixed"))
-def test_q4_rot_decode_tables_and_clamp(d, n, scale):
-    """The q4 rotated decoder (a 16-entry table per group; the clamp to +-65504 skipped for batches whose
-    parameters cannot reach it) on any codes, with parameters on both sides of that bound and negative ones."""
-    rng = np.random.default_rng(d + 17 * n)
-    packed = rng.integers(0, 256, (n, d // 2), dtype=np.uint8)
-    sc = {"small": 1.0, "large": 4000.0, "mixed": 1.0}[scale]
-    scales = (rng.random((n, d // 32)) * sc).astype(np.float16)
-    mins = (rng.standard_normal((n, d // 32)) * sc).astype(np.float16)
-    if scale == "mixed":  # one group of the batch past the bound, one negative scale, +-0 parameters
-        scales[n // 2, 0] = 600.0
-        scales[0, -1] = -3.0
-        mins[-1, 0] = np.float16(-0.0)
-        scales[-1, -1] = np.float16(0.0)
-    enc = {"packed": packed, "scales": scales, "mins": mins}
-    want = decode(ref, "q4_rot", enc, (n, d), 32)
-    for name in COMPILED:
-        got = decode(IMPLS[name], "q4_rot", enc, (n, d), 32)
-        assert np.array_equal(bits(want), bits(got)), f"{name}: q4_rot decoded values differ"
