@@ -131,6 +131,21 @@ KVD_I256 __m256 kvd256_fwht8(__m256 v) {
     return _mm256_fmadd_ps(v, s4, _mm256_permute2f128_ps(v, v, 0x01));
 }
 
+/* the butterflies between 8 registers (element distance 8, 16, 32), in the reference's stage order */
+KVD_I256 void kvd256_fwht_regs8(__m256 *z) {
+    KVD_UNROLL256
+    for (int h = 1; h < 8; h *= 2)
+        KVD_UNROLL256
+        for (int i = 0; i < 8; i += 2 * h)
+            KVD_UNROLL256
+            for (int j = i; j < i + h; j++) {
+                if (j + h >= 8) break; /* never: keeps GCC's array-bounds check quiet */
+                const __m256 a = z[j], c = z[j + h];
+                z[j] = _mm256_add_ps(a, c);
+                z[j + h] = _mm256_sub_ps(a, c);
+            }
+}
+
 KVD_I256 int kvd256_rot_pass1(kvd256_rot_batch *b, const uint16_t *x, ptrdiff_t xs, int64_t r0, const int rows,
                               const int d, const int g) {
     const int nz = d / 8, G = d / g, zpg = g / 8;
@@ -163,17 +178,7 @@ KVD_I256 int kvd256_rot_pass1(kvd256_rot_batch *b, const uint16_t *x, ptrdiff_t 
             __m256 z[8];
             KVD_UNROLL256
             for (int i = 0; i < 8; i++) z[i] = kvd256_fwht8(kvd256_ld8(p + 8 * (h0 + i)));
-            KVD_UNROLL256
-            for (int h = 1; h < 8; h *= 2)
-                KVD_UNROLL256
-                for (int i = 0; i < 8; i += 2 * h)
-                    KVD_UNROLL256
-                    for (int j = i; j < i + h; j++) {
-                        if (j + h >= 8) break; /* never: keeps GCC's array-bounds check quiet */
-                        const __m256 a = z[j], c = z[j + h];
-                        z[j] = _mm256_add_ps(a, c);
-                        z[j + h] = _mm256_sub_ps(a, c);
-                    }
+            kvd256_fwht_regs8(z);
             if (nz == 8) { /* d = 64: done */
                 KVD_UNROLL256
                 for (int i = 0; i < 8; i++) {
@@ -218,17 +223,8 @@ KVD_I256 int kvd256_rot_pass1(kvd256_rot_batch *b, const uint16_t *x, ptrdiff_t 
         float fmx[8], fmn[8];
         _mm256_storeu_ps(fmx, mxY);
         _mm256_storeu_ps(fmn, mnY);
-        for (int k = 0; k < 8; k++) {
-            if (!((zero >> k) & 1)) continue;
-            const float *yy = b->y + k * g; /* groups of the batch are contiguous in y */
-            float mn = yy[0], mx = yy[0];
-            for (int j = 1; j < g; j++) {
-                if (kvd_lt(yy[j], mn)) mn = yy[j];
-                if (kvd_lt(mx, yy[j])) mx = yy[j];
-            }
-            fmn[k] = mn;
-            fmx[k] = mx;
-        }
+        for (int k = 0; k < 8; k++)
+            if ((zero >> k) & 1) kvd_minmax_f32(b->y + k * g, g, &fmn[k], &fmx[k]); /* groups contiguous in y */
         mxY = _mm256_loadu_ps(fmx);
         mnY = _mm256_loadu_ps(fmn);
     }
@@ -311,17 +307,7 @@ KVD_I256 void kvd256_q4d_rot_row(const uint8_t *prow, const uint16_t *srow, cons
             const __m256 q = kvd256_nib8(prow + 4 * v);
             z[i] = kvd256_fwht8(_mm256_add_ps(_mm256_mul_ps(q, _mm256_broadcast_ss(&sf[k])), _mm256_broadcast_ss(&mf[k])));
         }
-        KVD_UNROLL256
-        for (int h = 1; h < 8; h *= 2)
-            KVD_UNROLL256
-            for (int i = 0; i < 8; i += 2 * h)
-                KVD_UNROLL256
-                for (int j = i; j < i + h; j++) {
-                    if (j + h >= 8) break; /* never: keeps GCC's array-bounds check quiet */
-                    const __m256 a = z[j], c = z[j + h];
-                    z[j] = _mm256_add_ps(a, c);
-                    z[j + h] = _mm256_sub_ps(a, c);
-                }
+        kvd256_fwht_regs8(z);
         if (nz == 8) {
             KVD_UNROLL256
             for (int i = 0; i < 8; i++) kvd256_st8(o + 8 * i, kvd256_clip(z[i]));

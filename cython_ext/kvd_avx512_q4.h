@@ -140,17 +140,8 @@ KVD_I512 int kvd512_rot_pass1(kvd512_rot_batch *b, const uint16_t *x, ptrdiff_t 
         float fmx[16], fmn[16];
         _mm512_storeu_ps(fmx, mxY);
         _mm512_storeu_ps(fmn, mnY);
-        for (int k = 0; k < 16; k++) {
-            if (!((zero >> k) & 1)) continue;
-            const float *yy = b->y + k * g; /* groups of the batch are contiguous in y */
-            float mn = yy[0], mx = yy[0];
-            for (int j = 1; j < g; j++) {
-                if (kvd_lt(yy[j], mn)) mn = yy[j];
-                if (kvd_lt(mx, yy[j])) mx = yy[j];
-            }
-            fmn[k] = mn;
-            fmx[k] = mx;
-        }
+        for (int k = 0; k < 16; k++)
+            if ((zero >> k) & 1) kvd_minmax_f32(b->y + k * g, g, &fmn[k], &fmx[k]); /* groups contiguous in y */
         mxY = _mm512_loadu_ps(fmx);
         mnY = _mm512_loadu_ps(fmn);
     }

@@ -37,6 +37,18 @@ static inline int kvd_lt(float a, float b) {
     return a < b || (a == b && (kvd_f2u(a) >> 31) > (kvd_f2u(b) >> 31));
 }
 
+/* minimum and maximum of y[0..n) in kvd_lt order (n >= 1): the exact answer the SIMD paths fall back to when a
+ * group's float min or max is zero and its sign matters */
+static inline void kvd_minmax_f32(const float *y, int64_t n, float *mn_out, float *mx_out) {
+    float mn = y[0], mx = y[0];
+    for (int64_t j = 1; j < n; j++) {
+        if (kvd_lt(y[j], mn)) mn = y[j];
+        if (kvd_lt(mx, y[j])) mx = y[j];
+    }
+    *mn_out = mn;
+    *mx_out = mx;
+}
+
 /* q4 scale and minimum of a group with minimum mn and maximum mx; returns the scale bits */
 static inline uint16_t kvd_q4_scale(float mn, float mx, uint16_t *min_bits, float *mnf, float *inv) {
     uint16_t m16 = kvd_f16_down(mn);
@@ -188,12 +200,8 @@ static void kvd_scalar_q4_row_f32(const float *y, int64_t d, int64_t group, uint
     int64_t ng = kvd_ngroups(d, group);
     for (int64_t g = 0; g < ng; g++) {
         int64_t j0 = g * group, j1 = kvd_min64(j0 + group, d);
-        float mn = y[j0], mx = y[j0];
-        for (int64_t j = j0 + 1; j < j1; j++) {
-            if (kvd_lt(y[j], mn)) mn = y[j];
-            if (kvd_lt(mx, y[j])) mx = y[j];
-        }
-        float mnf, inv;
+        float mn, mx, mnf, inv;
+        kvd_minmax_f32(y + j0, j1 - j0, &mn, &mx);
         srow[g] = kvd_q4_scale(mn, mx, &mrow[g], &mnf, &inv);
         for (int64_t j = j0; j < j1; j++) kvd_put_nibble(prow, j, kvd_q4_code(y[j], mnf, inv));
     }

@@ -12,6 +12,19 @@ from kernel_cases import COMPILED, IMPLS, assert_same_encoding, bits, decode, en
 from kvd import kernels_ref as ref
 from kvd.errors import NonFiniteError
 
+
+def assert_backends_match_reference(level: str, x: np.ndarray, group: int) -> None:
+    """Every compiled backend encodes ``x`` to the reference's bits and decodes the reference's encoding to its
+    bits."""
+    want = encode(ref, level, x, group)
+    want_out = decode(ref, level, want, x.shape, group)
+    for name in COMPILED:
+        got = encode(IMPLS[name], level, x, group)
+        assert_same_encoding(level, x, group, want, got, name)
+        got_out = decode(IMPLS[name], level, want, x.shape, group)
+        assert np.array_equal(bits(want_out), bits(got_out)), f"{name}: {level} decoded values differ"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the fast paths of the codec's shapes (rows of 64 or 128 values in groups of 32), adversarially
 
@@ -132,13 +145,7 @@ def test_rows_batches_of_8_groups(level, d, group, n, how):
     x[n // 2, -group:] = np.float16(65504.0)
     x[-1, : min(group, 8)] = np.uint16(1).view(np.float16)
     x = layout(x, how)
-    want = encode(ref, level, x, group)
-    want_out = decode(ref, level, want, x.shape, group)
-    for name in COMPILED:
-        got = encode(IMPLS[name], level, x, group)
-        assert_same_encoding(level, x, group, want, got, name)
-        got_out = decode(IMPLS[name], level, want, x.shape, group)
-        assert np.array_equal(bits(want_out), bits(got_out)), f"{name}: {level} decoded values differ"
+    assert_backends_match_reference(level, x, group)
 
 
 @pytest.mark.parametrize("level", ("q8_rows", "fp8_e4m3", "q4_rot"))
@@ -167,13 +174,7 @@ def test_cols_blocks_and_tails(level, c, t, group, how):
     x[:, c // 2] = np.float16(-3.5)
     x[:, -1] = np.uint16(0x8001).view(np.float16)
     x = layout(x, how)
-    want = encode(ref, level, x, group)
-    want_out = decode(ref, level, want, x.shape, group)
-    for name in COMPILED:
-        got = encode(IMPLS[name], level, x, group)
-        assert_same_encoding(level, x, group, want, got, name)
-        got_out = decode(IMPLS[name], level, want, x.shape, group)
-        assert np.array_equal(bits(want_out), bits(got_out)), f"{name}: {level} decoded values differ"
+    assert_backends_match_reference(level, x, group)
 
 
 @pytest.mark.parametrize("level", ("q8_cols", "q4_cols"))
