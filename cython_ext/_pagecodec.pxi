@@ -6,6 +6,9 @@
 # that one through kvd.pages, which raises the documented error or decodes it the slow way, and goes on.
 # Arrays the C path cannot take as they are count as not done (index 0); specs and records that do not fit
 # together raise ValueError (the store builds them itself, so that is a bug).
+#
+# The GIL is released while pages are coded, so the caller must keep other threads off the records and arrays
+# for the call: the store holds its lock. decode_pages pins its pages with the buffer protocol.
 
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize, PyByteArray_GET_SIZE
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
