@@ -2,7 +2,9 @@
 
 Pages of a 7B-class shape (T=64 tokens, H=8 kv heads, D=128 head_dim; 128 KiB of float16 per role) fill at
 least 64 MiB. Per page, the key is the column kernel on [64, 1024] (groups along the tokens) and the value the
-row kernel on [512, 128] (groups along head_dim); q4 values are Hadamard-rotated; fp8 uses rows for both roles;
+row kernel on [512, 128] (groups along head_dim); q4 values are Hadamard-rotated and, as in the page codec
+(kvd_page_encode_kv), encoded before the keys with the keys as their prefetch hint (--no-prefetch: keys first,
+no hint); fp8 uses rows for both roles;
 fp16 is the checked copy f16_copy_rows. Every output buffer is allocated once and reused; GB/s counts the
 float16 side (input of an encode, output of a decode). The baseline is one numpy.copyto of the same bytes into
 a reused buffer, timed in the same rounds as each row's kernels (round = copyto, encode, decode), so the ratio
@@ -132,10 +134,19 @@ def level_ops(impl, level: str, keys: np.ndarray, values: np.ndarray, args: argp
     )
     kx, vx, kp, ks, km, vp, vs, vm, kout, vout = map(per_page, (kx, vx, kp, ks, km, vp, vs, vm, kout, vout))
 
-    def enc():
-        for i in range(pages):
-            impl.q4_encode_cols(kx[i], kp[i], ks[i], km[i], gc)
-            impl.q4_encode_rows(vx[i], vp[i], vs[i], vm[i], gr, True)
+    if args.no_prefetch:
+
+        def enc():
+            for i in range(pages):
+                impl.q4_encode_cols(kx[i], kp[i], ks[i], km[i], gc)
+                impl.q4_encode_rows(vx[i], vp[i], vs[i], vm[i], gr, True)
+
+    else:
+
+        def enc():
+            for i in range(pages):
+                impl.q4_encode_rows(vx[i], vp[i], vs[i], vm[i], gr, True, prefetch=kx[i])
+                impl.q4_encode_cols(kx[i], kp[i], ks[i], km[i], gc)
 
     def dec():
         for i in range(pages):
@@ -158,6 +169,9 @@ def main() -> None:
         "--col-group", type=int, default=0, help="q8/q4 key groups along the tokens (default: codec's)"
     )
     parser.add_argument("--fp8-group", type=int, default=0, help="fp8 groups along head_dim (default: codec's)")
+    parser.add_argument(
+        "--no-prefetch", action="store_true", help="q4: keys first, values without the keys as prefetch hint"
+    )
     parser.add_argument("--reference-mib", type=int, default=8, help="the numpy reference runs on fewer MiB")
     args = parser.parse_args()
 

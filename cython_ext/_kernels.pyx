@@ -44,6 +44,8 @@ cdef extern from "kvd_kernels.h" nogil:
                                        int)
     ctypedef int (*kvd_q4_encode_rows_fn)(const uint16_t *, ptrdiff_t, int64_t, int64_t, uint8_t *, uint16_t *,
                                           uint16_t *, int64_t, int)
+    ctypedef int (*kvd_q4_encode_rows_pf_fn)(const uint16_t *, ptrdiff_t, int64_t, int64_t, uint8_t *, uint16_t *,
+                                             uint16_t *, int64_t, int, const void *, int64_t)
     ctypedef int (*kvd_q4_decode_rows_fn)(const uint8_t *, const uint16_t *, const uint16_t *, uint16_t *,
                                           int64_t, int64_t, int64_t, int)
     ctypedef int (*kvd_q4_encode_cols_fn)(const uint16_t *, ptrdiff_t, int64_t, int64_t, uint8_t *, uint16_t *,
@@ -64,6 +66,7 @@ cdef extern from "kvd_kernels.h" nogil:
         kvd_q4_decode_rows_fn q4_decode_rows
         kvd_q4_encode_cols_fn q4_encode_cols
         kvd_q4_decode_cols_fn q4_decode_cols
+        kvd_q4_encode_rows_pf_fn q4_encode_rows_pf
 
     int KVD_OK
     int KVD_NONFINITE
@@ -344,14 +347,21 @@ cdef class Backend:
             with nogil:
                 self.b.fp8_decode_rows(pc, ps, po, n, d, g, f)
 
-    def q4_encode_rows(self, x, packed, scales, mins, group, rotate):
+    def q4_encode_rows(self, x, packed, scales, mins, group, rotate, prefetch=None):
         """Packed 4-bit codes [N, ceil(D/2)], float16 scales and mins [N, ceil(D/group)] of x [N, D].
 
         With ``rotate`` (D a power of two) the row is first Hadamard-rotated: ``y = FWHT(x) * (1/D)``.
+        ``prefetch``: a C-contiguous array read into cache meanwhile (the next input), or None.
         """
         cdef int rc
         cdef int64_t g = _group(group)
         cdef int rot
+        cdef const void *pf = NULL
+        cdef int64_t pf_bytes = 0
+        if prefetch is not None:
+            if not (cnp.PyArray_Check(prefetch) and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>prefetch)):
+                raise TypeError(f"prefetch must be a C-contiguous numpy array or None, got {type(prefetch).__name__}")
+            pf, pf_bytes = <const void *>_data(prefetch), cnp.PyArray_NBYTES(<cnp.ndarray>prefetch)
         if not (g > 0 and _x_ok(x)):
             return _ref.q4_encode_rows(x, packed, scales, mins, group, rotate)
         cdef int64_t n = _dim(x, 0), d = _dim(x, 1)
@@ -366,7 +376,10 @@ cdef class Backend:
         cdef uint16_t *ps = <uint16_t *>_data(scales)
         cdef uint16_t *pm = <uint16_t *>_data(mins)
         with nogil:
-            rc = self.b.q4_encode_rows(px, xs, n, d, pp, ps, pm, g, rot)
+            if pf != NULL and self.b.q4_encode_rows_pf != NULL:
+                rc = self.b.q4_encode_rows_pf(px, xs, n, d, pp, ps, pm, g, rot, pf, pf_bytes)
+            else:
+                rc = self.b.q4_encode_rows(px, xs, n, d, pp, ps, pm, g, rot)
         if rc != KVD_OK:
             _raise_status(rc, x)
 

@@ -30,8 +30,8 @@ cdef extern from "kvd_pagecodec.h" nogil:
         int64_t gap_start[3]
         int64_t gap_len[3]
     void kvd_store_fence()
-    int kvd_page_encode(const kvd_backend *b, const kvd_page_spec *s, const uint16_t *src, uint8_t *dst,
-                        kvd_hash_fn hash)
+    int kvd_page_encode_kv(const kvd_backend *b, const kvd_page_spec *ks, const uint16_t *ksrc, uint8_t *kdst,
+                           const kvd_page_spec *vs, const uint16_t *vsrc, uint8_t *vdst, kvd_hash_fn hash)
     int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const uint8_t *src, int64_t length,
                         uint16_t *dst, kvd_hash_fn hash, int stream)
 
@@ -145,10 +145,9 @@ def encode_row(Backend be, tuple layers, list recs, src_k, src_v, Py_ssize_t t0)
             trail[i], tlen[i] = <const char *>trailer, len(trailer)
         with nogil:
             for i in range(n):
-                rc = kvd_page_encode(be.b, specs[2 * i], <const uint16_t *>(kbase + i * kl), dst[i], _page_hash)
-                if rc == KVD_OK:
-                    rc = kvd_page_encode(be.b, specs[2 * i + 1], <const uint16_t *>(vbase + i * vl),
-                                         dst[i] + specs[2 * i].size, _page_hash)
+                rc = kvd_page_encode_kv(be.b, specs[2 * i], <const uint16_t *>(kbase + i * kl), dst[i],
+                                        specs[2 * i + 1], <const uint16_t *>(vbase + i * vl),
+                                        dst[i] + specs[2 * i].size, _page_hash)
                 if rc != KVD_OK:
                     fail = i
                     break

@@ -534,6 +534,7 @@ static const kvd_backend kvd_backend_avx2 = {
     kvd256_q4_decode_rows,
     kvd256_q4_encode_cols,
     kvd256_q4_decode_cols,
+    NULL, /* q4_encode_rows_pf: no hint */
 };
 
 #endif

@@ -38,6 +38,7 @@ static const kvd_backend kvd_backend_avx512 = {
     kvd512_q4_decode_rows,
     kvd512_q4_encode_cols,
     kvd512_q4_decode_cols,
+    kvd512_q4_encode_rows_pf,
 };
 
 

@@ -91,6 +91,22 @@ KVD_I512 int kvd512_q4_rows_fast(const uint16_t *x, ptrdiff_t xs, int64_t n, int
  * per batch. Min/max and codes work on Y = FWHT(x); y = Y / d exactly, so with mD = d * min and invD = inv / d
  * (both exact) (Y - mD) * invD rounds exactly like the reference's (y - min) * inv. Batches are software
  * pipelined: pass 1 and the scales of batch k+1 come before the codes of batch k. */
+/* A prefetch hint spread over the rows: `step` bytes of the hinted region per row, `left` still to go. The
+ * rotated rows are compute-bound (the transform) and read their own input in order, which the hardware
+ * prefetchers follow; the memory bus is then mostly idle, and a caller that knows its next input (the page's
+ * keys, whose column kernel waits on memory) has it loaded here at no cost. */
+typedef struct {
+    const char *p;
+    int64_t left, step;
+} kvd512_pf;
+
+KVD_I512 void kvd512_pf_row(kvd512_pf *pf) {
+    if (pf->left <= 0) return;
+    for (int64_t o = 0; o < pf->step; o += 64) _mm_prefetch(pf->p + o, _MM_HINT_T0);
+    pf->p += pf->step;
+    pf->left -= pf->step;
+}
+
 typedef struct {
     float y[16 * 128] __attribute__((aligned(64))); /* Y of the batch's rows */
     float mD[16], invD[16];                          /* per group, for pass 2 (broadcast loads) */
@@ -98,7 +114,7 @@ typedef struct {
 } kvd512_rot_batch;
 
 KVD_I512 int kvd512_rot_pass1(kvd512_rot_batch *b, const uint16_t *x, ptrdiff_t xs, int64_t r0, const int rows,
-                              const int d, const int g) {
+                              const int d, const int g, kvd512_pf *pf) {
     const int nz = d / 16, G = d / g, zpg = g / 16;
     __m512 amx[16], amn[16];
     KVD_UNROLL
@@ -106,6 +122,7 @@ KVD_I512 int kvd512_rot_pass1(kvd512_rot_batch *b, const uint16_t *x, ptrdiff_t 
         const uint16_t *p = x + (r0 + rr) * xs;
         KVD_UNROLL
         for (int i = 0; i < d; i += 32) _mm_prefetch((const char *)(p + i + KVD_PF_AHEAD), _MM_HINT_T0);
+        kvd512_pf_row(pf);
         __m512 z[8];
         KVD_UNROLL
         for (int i = 0; i < nz; i++) z[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 16 * i)));
@@ -172,18 +189,18 @@ KVD_I512 void kvd512_rot_pass2(const kvd512_rot_batch *b, uint8_t *out, const in
 }
 
 KVD_I512 int kvd512_q4_rows_rot(const uint16_t *x, ptrdiff_t xs, int64_t n, uint8_t *packed, uint16_t *scales,
-                                uint16_t *mins, const int d, const int g) {
+                                uint16_t *mins, const int d, const int g, kvd512_pf *pf) {
     const int G = d / g, R = 16 / G;
     kvd512_rot_batch bb[2];
     int cur = 0;
-    if (n >= R ? kvd512_rot_pass1(&bb[0], x, xs, 0, R, d, g) : kvd512_rot_pass1(&bb[0], x, xs, 0, (int)n, d, g))
+    if (n >= R ? kvd512_rot_pass1(&bb[0], x, xs, 0, R, d, g, pf) : kvd512_rot_pass1(&bb[0], x, xs, 0, (int)n, d, g, pf))
         return KVD_NONFINITE;
     for (int64_t r0 = 0; r0 < n; r0 += R) {
         const int64_t left = n - r0 - R;
         if (left >= R) {
-            if (kvd512_rot_pass1(&bb[cur ^ 1], x, xs, r0 + R, R, d, g)) return KVD_NONFINITE;
+            if (kvd512_rot_pass1(&bb[cur ^ 1], x, xs, r0 + R, R, d, g, pf)) return KVD_NONFINITE;
         } else if (left > 0) {
-            if (kvd512_rot_pass1(&bb[cur ^ 1], x, xs, r0 + R, (int)left, d, g)) return KVD_NONFINITE;
+            if (kvd512_rot_pass1(&bb[cur ^ 1], x, xs, r0 + R, (int)left, d, g, pf)) return KVD_NONFINITE;
         }
         const kvd512_rot_batch *b = &bb[cur];
         if (n - r0 >= R) {
@@ -237,27 +254,31 @@ KVD_I512 void kvd512_q4_row_generic(const float *y, int64_t d, int64_t group, ui
 
 #define KVD_STAGE_MAX 4096
 
-KVD_T512 static int kvd512_q4_encode_rows(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint8_t *packed,
-                                          uint16_t *scales, uint16_t *mins, int64_t group, int rotate) {
+KVD_T512 static int kvd512_q4_encode_rows_pf(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d,
+                                             uint8_t *packed, uint16_t *scales, uint16_t *mins, int64_t group,
+                                             int rotate, const void *pf_at, int64_t pf_bytes) {
     const int64_t g = kvd_min64(group, d);
+    /* the hint is used by the rotated rows only (the compute-bound ones), spread evenly over them */
+    kvd512_pf pf = {(const char *)pf_at, pf_at && n > 0 ? pf_bytes : 0, 0};
+    if (pf.left > 0) pf.step = ((pf.left + n - 1) / n + 63) & ~(int64_t)63;
     if (!rotate && g % 32 == 0 && d % g == 0) return kvd512_q4_rows_fast(x, xs, n, d, packed, scales, mins, g);
     if (rotate && d >= 16 && d <= 128 && g % 16 == 0 && d % g == 0) {
         switch (d) {
-        case 16: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 16, 16);
-        case 32: return g == 16 ? kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 32, 16)
-                                : kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 32, 32);
+        case 16: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 16, 16, &pf);
+        case 32: return g == 16 ? kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 32, 16, &pf)
+                                : kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 32, 32, &pf);
         case 64:
             switch (g) {
-            case 16: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 64, 16);
-            case 32: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 64, 32);
-            default: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 64, 64);
+            case 16: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 64, 16, &pf);
+            case 32: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 64, 32, &pf);
+            default: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 64, 64, &pf);
             }
         default:
             switch (g) {
-            case 16: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 16);
-            case 32: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 32);
-            case 64: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 64);
-            default: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 128);
+            case 16: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 16, &pf);
+            case 32: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 32, &pf);
+            case 64: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 64, &pf);
+            default: return kvd512_q4_rows_rot(x, xs, n, packed, scales, mins, 128, 128, &pf);
             }
         }
     }
@@ -286,6 +307,11 @@ KVD_T512 static int kvd512_q4_encode_rows(const uint16_t *x, ptrdiff_t xs, int64
         kvd512_q4_row_generic(y, d, group, stage, packed + r * pb, scales + r * ng, mins + r * ng);
     }
     return KVD_OK;
+}
+
+KVD_T512 static int kvd512_q4_encode_rows(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint8_t *packed,
+                                          uint16_t *scales, uint16_t *mins, int64_t group, int rotate) {
+    return kvd512_q4_encode_rows_pf(x, xs, n, d, packed, scales, mins, group, rotate, NULL, 0);
 }
 
 /* 16 nibbles (8 packed bytes at an even position) -> 16 float32 codes */

@@ -39,6 +39,11 @@ typedef void (*kvd_fp8_decode_fn)(const uint8_t *codes, const uint16_t *scales, 
                                   int64_t d, int64_t group, int fmt);
 typedef int (*kvd_q4_encode_rows_fn)(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint8_t *packed,
                                      uint16_t *scales, uint16_t *mins, int64_t group, int rotate);
+/* the same with a prefetch hint: `pf_bytes` bytes at `pf` (the next input, e.g. the page's keys) are read into
+ * cache while the arithmetic of these rows runs; the result is the same */
+typedef int (*kvd_q4_encode_rows_pf_fn)(const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d, uint8_t *packed,
+                                        uint16_t *scales, uint16_t *mins, int64_t group, int rotate,
+                                        const void *pf, int64_t pf_bytes);
 typedef int (*kvd_q4_decode_rows_fn)(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins,
                                      uint16_t *out, int64_t n, int64_t d, int64_t group, int rotate);
 typedef int (*kvd_q4_encode_cols_fn)(const uint16_t *x, ptrdiff_t xs, int64_t t, int64_t c, uint8_t *packed,
@@ -62,6 +67,7 @@ typedef struct {
     kvd_q4_decode_rows_fn q4_decode_rows;
     kvd_q4_encode_cols_fn q4_encode_cols;
     kvd_q4_decode_cols_fn q4_decode_cols;
+    kvd_q4_encode_rows_pf_fn q4_encode_rows_pf; /* NULL: the backend's rows are not compute-bound enough */
 } kvd_backend;
 
 /* ------------------------------------------------------------------------------------------------------ */

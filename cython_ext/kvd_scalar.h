@@ -299,6 +299,7 @@ static const kvd_backend kvd_backend_scalar = {
     kvd_scalar_q4_decode_rows,
     kvd_scalar_q4_encode_cols,
     kvd_scalar_q4_decode_cols,
+    NULL,
 };
 
 #endif

@@ -360,12 +360,22 @@ def _check_rotate(rotate: bool, d: int) -> None:
 
 
 def q4_encode_rows(
-    x: np.ndarray, packed: np.ndarray, scales: np.ndarray, mins: np.ndarray, group: int, rotate: bool
+    x: np.ndarray,
+    packed: np.ndarray,
+    scales: np.ndarray,
+    mins: np.ndarray,
+    group: int,
+    rotate: bool,
+    prefetch: np.ndarray | None = None,
 ) -> None:
     """Packed 4-bit codes [N, ceil(D/2)], float16 scales and mins [N, ceil(D/group)] of x [N, D].
 
     With ``rotate`` (D a power of two) the row is first Hadamard-rotated: ``y = FWHT(x) * (1/D)``.
+    ``prefetch``: a C-contiguous array the compiled kernel reads into cache meanwhile (the next input, e.g. the
+    keys of the same page); it never changes the result, and the reference only checks it.
     """
+    if prefetch is not None and not (isinstance(prefetch, np.ndarray) and prefetch.flags.c_contiguous):
+        raise TypeError(f"prefetch must be a C-contiguous numpy array or None, got {type(prefetch).__name__}")
     _check_input(x)
     group = _check_group(group)
     n, d = x.shape

@@ -187,3 +187,40 @@ def test_cols_blocks_non_finite(level, col, bad):
     for name in COMPILED:
         with pytest.raises(NonFiniteError):
             encode(IMPLS[name], level, x, 32)
+
+
+HINTS = {
+    "a key page": lambda: np.ones((64, 1024), np.float16),
+    "one byte": lambda: np.ones(1, np.uint8),
+    "empty": lambda: np.empty(0, np.float16),
+    "larger than the rows": lambda: np.ones(4 << 20, np.uint8),
+}
+
+
+@pytest.mark.parametrize("rotate", (True, False))
+@pytest.mark.parametrize("n", (1, 5, 512))
+@pytest.mark.parametrize("hint", tuple(HINTS))
+def test_q4_rows_prefetch_hint_changes_no_byte(rotate, n, hint):
+    """The page codec hands a page's keys to its value rows as a prefetch hint: whatever its size, the codes,
+    scales and mins are those of the call without it, on every backend."""
+    x = make_x(np.random.default_rng(n), "mixed", n, 128)
+    level = "q4_rot" if rotate else "q4_rows"
+    for name, impl in IMPLS.items():
+        want = encode(impl, level, x, 32)
+        got = {k: np.empty_like(v) for k, v in want.items()}
+        impl.q4_encode_rows(x, got["packed"], got["scales"], got["mins"], 32, rotate, prefetch=HINTS[hint]())
+        assert_same_encoding(level, x, 32, want, got, f"{name} with a hint of {hint}")
+
+
+def test_q4_rows_prefetch_hint_is_checked_and_nan_still_refused():
+    x = make_x(np.random.default_rng(3), "normal", 16, 128)
+    packed, scales, mins = np.empty((16, 64), np.uint8), np.empty((16, 4), np.float16), np.empty((16, 4), np.float16)
+    keys = np.ones((64, 1024), np.float16)
+    for name, impl in IMPLS.items():
+        for bad in (keys[:, ::2], b"bytes", [1, 2]):
+            with pytest.raises(TypeError, match="prefetch must be a C-contiguous numpy array"):
+                impl.q4_encode_rows(x, packed, scales, mins, 32, True, prefetch=bad)
+        y = x.copy()
+        y[9, 100] = np.nan
+        with pytest.raises(NonFiniteError):
+            impl.q4_encode_rows(y, packed, scales, mins, 32, True, prefetch=keys)
