@@ -214,9 +214,10 @@ def test_q4_rows_prefetch_hint_changes_no_byte(rotate, n, hint):
 
 def test_q4_rows_prefetch_hint_is_checked_and_nan_still_refused():
     x = make_x(np.random.default_rng(3), "normal", 16, 128)
-    packed, scales, mins = np.empty((16, 64), np.uint8), np.empty((16, 4), np.float16), np.empty((16, 4), np.float16)
+    packed = np.empty((16, 64), np.uint8)
+    scales, mins = np.empty((16, 4), np.float16), np.empty((16, 4), np.float16)
     keys = np.ones((64, 1024), np.float16)
-    for name, impl in IMPLS.items():
+    for impl in IMPLS.values():
         for bad in (keys[:, ::2], b"bytes", [1, 2]):
             with pytest.raises(TypeError, match="prefetch must be a C-contiguous numpy array"):
                 impl.q4_encode_rows(x, packed, scales, mins, 32, True, prefetch=bad)
