@@ -68,6 +68,9 @@ cdef extern from "kvd_kernels.h" nogil:
         kvd_q4_decode_cols_fn q4_decode_cols
         kvd_q4_encode_rows_pf_fn q4_encode_rows_pf
 
+    int kvd_q4_encode_rows_hinted(const kvd_backend *b, const uint16_t *x, ptrdiff_t xs, int64_t n, int64_t d,
+                                  uint8_t *packed, uint16_t *scales, uint16_t *mins, int64_t group, int rotate,
+                                  const void *pf, int64_t pf_bytes)
     int KVD_OK
     int KVD_NONFINITE
     int KVD_NOMEM
@@ -376,10 +379,7 @@ cdef class Backend:
         cdef uint16_t *ps = <uint16_t *>_data(scales)
         cdef uint16_t *pm = <uint16_t *>_data(mins)
         with nogil:
-            if pf != NULL and self.b.q4_encode_rows_pf != NULL:
-                rc = self.b.q4_encode_rows_pf(px, xs, n, d, pp, ps, pm, g, rot, pf, pf_bytes)
-            else:
-                rc = self.b.q4_encode_rows(px, xs, n, d, pp, ps, pm, g, rot)
+            rc = kvd_q4_encode_rows_hinted(self.b, px, xs, n, d, pp, ps, pm, g, rot, pf, pf_bytes)
         if rc != KVD_OK:
             _raise_status(rc, x)
 

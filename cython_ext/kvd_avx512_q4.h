@@ -87,14 +87,11 @@ KVD_I512 int kvd512_q4_rows_fast(const uint16_t *x, ptrdiff_t xs, int64_t n, int
     return KVD_OK;
 }
 
-/* rotated rows, d in {16, 32, 64, 128}, g % 16 == 0, d % g == 0: rows held in registers, 16 groups (R rows)
- * per batch. Min/max and codes work on Y = FWHT(x); y = Y / d exactly, so with mD = d * min and invD = inv / d
- * (both exact) (Y - mD) * invD rounds exactly like the reference's (y - min) * inv. Batches are software
- * pipelined: pass 1 and the scales of batch k+1 come before the codes of batch k. */
 /* A prefetch hint spread over the rows: `step` bytes of the hinted region per row, `left` still to go. The
  * rotated rows are compute-bound (the transform) and read their own input in order, which the hardware
  * prefetchers follow; the memory bus is then mostly idle, and a caller that knows its next input (the page's
  * keys, whose column kernel waits on memory) has it loaded here at no cost. */
+#define KVD_PF_ROW_MAX 1024 /* bytes of the hint prefetched per row at most */
 typedef struct {
     const char *p;
     int64_t left, step;
@@ -102,11 +99,15 @@ typedef struct {
 
 KVD_I512 void kvd512_pf_row(kvd512_pf *pf) {
     if (pf->left <= 0) return;
-    for (int64_t o = 0; o < pf->step; o += 64) _mm_prefetch(pf->p + o, _MM_HINT_T0);
+    for (int64_t o = 0; o < pf->step && o < pf->left; o += 64) _mm_prefetch(pf->p + o, _MM_HINT_T0);
     pf->p += pf->step;
     pf->left -= pf->step;
 }
 
+/* rotated rows, d in {16, 32, 64, 128}, g % 16 == 0, d % g == 0: rows held in registers, 16 groups (R rows)
+ * per batch. Min/max and codes work on Y = FWHT(x); y = Y / d exactly, so with mD = d * min and invD = inv / d
+ * (both exact) (Y - mD) * invD rounds exactly like the reference's (y - min) * inv. Batches are software
+ * pipelined: pass 1 and the scales of batch k+1 come before the codes of batch k. */
 typedef struct {
     float y[16 * 128] __attribute__((aligned(64))); /* Y of the batch's rows */
     float mD[16], invD[16];                          /* per group, for pass 2 (broadcast loads) */
@@ -260,7 +261,8 @@ KVD_T512 static int kvd512_q4_encode_rows_pf(const uint16_t *x, ptrdiff_t xs, in
     const int64_t g = kvd_min64(group, d);
     /* the hint is used by the rotated rows only (the compute-bound ones), spread evenly over them */
     kvd512_pf pf = {(const char *)pf_at, pf_at && n > 0 ? pf_bytes : 0, 0};
-    if (pf.left > 0) pf.step = ((pf.left + n - 1) / n + 63) & ~(int64_t)63;
+    if (pf.left > 0) /* at most 16 lines a row: a hint larger than the rows can carry is cut, never a stall */
+        pf.step = kvd_min64(KVD_PF_ROW_MAX, ((pf.left + n - 1) / n + 63) & ~(int64_t)63);
     if (!rotate && g % 32 == 0 && d % g == 0) return kvd512_q4_rows_fast(x, xs, n, d, packed, scales, mins, g);
     if (rotate && d >= 16 && d <= 128 && g % 16 == 0 && d % g == 0) {
         switch (d) {

@@ -70,6 +70,14 @@ typedef struct {
     kvd_q4_encode_rows_pf_fn q4_encode_rows_pf; /* NULL: the backend's rows are not compute-bound enough */
 } kvd_backend;
 
+/* q4 rows with the prefetch hint where the backend takes one (pf may be NULL) */
+static inline int kvd_q4_encode_rows_hinted(const kvd_backend *b, const uint16_t *x, ptrdiff_t xs, int64_t n,
+                                            int64_t d, uint8_t *packed, uint16_t *scales, uint16_t *mins,
+                                            int64_t group, int rotate, const void *pf, int64_t pf_bytes) {
+    if (pf && b->q4_encode_rows_pf) return b->q4_encode_rows_pf(x, xs, n, d, packed, scales, mins, group, rotate, pf, pf_bytes);
+    return b->q4_encode_rows(x, xs, n, d, packed, scales, mins, group, rotate);
+}
+
 /* ------------------------------------------------------------------------------------------------------ */
 /* scalar float helpers */
 

@@ -143,12 +143,9 @@ static int kvd_page_encode(const kvd_backend *b, const kvd_page_spec *s, const u
         rc = b->fp8_encode_rows(src, d, n, d, data, scales, g, s->level == KVD_LV_E5M2);
         break;
     case KVD_LV_Q4:
-        if (s->axis != KVD_AX_TOKEN)
-            rc = b->q4_encode_cols(src, d, n, d, data, scales, mins, g);
-        else if (pf && b->q4_encode_rows_pf)
-            rc = b->q4_encode_rows_pf(src, d, n, d, data, scales, mins, g, s->rotated, pf, pf_bytes);
-        else
-            rc = b->q4_encode_rows(src, d, n, d, data, scales, mins, g, s->rotated);
+        rc = s->axis == KVD_AX_TOKEN
+                 ? kvd_q4_encode_rows_hinted(b, src, d, n, d, data, scales, mins, g, s->rotated, pf, pf_bytes)
+                 : b->q4_encode_cols(src, d, n, d, data, scales, mins, g);
         break;
     default:
         return KVD_CORRUPT;
@@ -162,7 +159,7 @@ static int kvd_page_encode(const kvd_backend *b, const kvd_page_spec *s, const u
 
 /* A layer's key and value pages into kdst and vdst. With q4 values (rows, compute-bound: the rotation) the
  * values go first and read the keys into cache meanwhile; the keys' column kernel, which reads 32 rows 2 KiB
- * apart and otherwise waits on memory, then finds them there (bench/kernels.py: the q4 pair 18.8 -> 16.5 us).
+ * apart and otherwise waits on memory, then finds them there (C harness, 256 cold page pairs: 18.8 -> 16.5 us a pair; BENCHMARKS.md).
  * KVD_OK, or the first error of either page. */
 static int kvd_page_encode_kv(const kvd_backend *b, const kvd_page_spec *ks, const uint16_t *ksrc, uint8_t *kdst,
                               const kvd_page_spec *vs, const uint16_t *vsrc, uint8_t *vdst, kvd_hash_fn hash) {
