@@ -1,11 +1,18 @@
-"""Build the kernel extension. Cython runs at build time; no generated C is committed.
+"""Build the kernel extension and the compiled data-path modules. Cython runs at build time; no generated C is
+committed.
 
 Never ``-march=native``: one build must run on any x86-64 (or arm64). The SIMD paths are compiled with GCC/Clang
 function target attributes and chosen at run time by CPU detection, so the baseline flags stay generic.
 ``-ffp-contract=off`` keeps the compiler from fusing multiply-adds, so every backend rounds exactly like the
 numpy reference (kvd/kernels_ref.py).
+
+The modules listed in kvd/_native.py (COMPILED) are plain Python, also compiled as they are: Python semantics
+(no C typing from annotations, no unchecked indexing), only the interpreter's dispatch goes. ``KVD_PURE_PYTHON=1``
+builds the kernels only.
 """
 
+import os
+import runpy
 import sys
 from glob import glob
 
@@ -17,20 +24,29 @@ compile_args = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-Wall
 if sys.platform == "win32":  # pragma: no cover - not a supported server platform, kept buildable
     compile_args = ["/O2", "/fp:precise"]
 
-extensions = [
-    Extension(
-        "kvd._kernels",
-        sources=["cython_ext/_kernels.pyx"],
-        depends=sorted(glob("cython_ext/*.h") + glob("cython_ext/*.pxi")),  # rebuild when the kernels change
-        include_dirs=["cython_ext", np.get_include()],
-        extra_compile_args=compile_args,
-        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    )
-]
-
-setup(
-    ext_modules=cythonize(
-        extensions,
-        compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False, "cdivision": True},
-    )
+kernels = cythonize(
+    [
+        Extension(
+            "kvd._kernels",
+            sources=["cython_ext/_kernels.pyx"],
+            depends=sorted(glob("cython_ext/*.h") + glob("cython_ext/*.pxi")),  # rebuild when the kernels change
+            include_dirs=["cython_ext", np.get_include()],
+            extra_compile_args=compile_args,
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        )
+    ],
+    compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False, "cdivision": True},
 )
+
+native = runpy.run_path(os.path.join("kvd", "_native.py"))
+modules = []
+if not native["pure_requested"](os.environ):
+    modules = cythonize(
+        [Extension(f"kvd.{name}", [f"kvd/{name}.py"], extra_compile_args=["-O2"]) for name in native["COMPILED"]],
+        # Python semantics exactly: annotations stay annotations, functions stay introspectable
+        compiler_directives={"language_level": "3", "annotation_typing": False, "binding": True},
+        nthreads=os.cpu_count() or 1,
+        quiet=True,
+    )
+
+setup(ext_modules=kernels + modules, options={"build_ext": {"parallel": os.cpu_count() or 1}})

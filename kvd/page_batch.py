@@ -115,7 +115,10 @@ def any_nonfinite(a: Any) -> bool | None:
 # ------------------------------------------------------------------------------------------------------------
 # two threads for big batches: the C calls release the GIL, so a second thread doubles the kernel work done
 
-PARALLEL_MIN_BYTES = 1 << 20  # below this a hand-off to the second thread costs more than it saves
+# Below this a hand-off to the second thread costs more than it saves: waking it and waiting for it takes ~50 us
+# here, as long as a whole 1 MiB fp16 get. Measured in one process (docs/design.md): at 1 MiB the split made
+# gets 61 -> 112 us and one-layer appends 55 -> 116 us; from 4 MiB it pays (8-layer q4 get 450 -> 301 us).
+PARALLEL_MIN_BYTES = 4 << 20
 # A read at least this large decodes fp16 pages with streaming stores: it cannot stay in cache anyway, and
 # skipping the read for ownership helps; a smaller one (a reply about to be sent) is sent faster from cache
 # (measured through a shard: 8 MiB gets 1.31 -> 1.14 ms without streaming).
