@@ -1,4 +1,4 @@
-"""kvd._native: the compiled data-path modules never run out of date, and KVD_PURE_PYTHON brings back the source."""
+"""kvd._native: compiled data-path modules never run out of date; KVD_PURE_PYTHON brings back the source."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ def _touch(path: Path, mtime: float, text: str = "") -> None:
     os.utime(path, (mtime, mtime))
 
 
-def _run(code: str, *, cwd: Path, env_extra: dict[str, str], pythonpath: Path | None = None) -> subprocess.CompletedProcess:
+def _run(
+    code: str, *, cwd: Path, env_extra: dict[str, str], pythonpath: Path | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != _native.ENV_VAR}
     env.update(env_extra)
     if pythonpath is not None:
@@ -31,7 +33,9 @@ def _run(code: str, *, cwd: Path, env_extra: dict[str, str], pythonpath: Path | 
                           text=True, timeout=120)
 
 
-@pytest.mark.parametrize(("value", "pure"), [("", False), ("0", False), (" 0 ", False), ("1", True), ("yes", True)])
+@pytest.mark.parametrize(
+    ("value", "pure"), [("", False), ("0", False), (" 0 ", False), ("1", True), ("yes", True)]
+)
 def test_pure_requested_reads_the_variable(value: str, pure: bool) -> None:
     assert _native.pure_requested({_native.ENV_VAR: value}) is pure
     assert _native.pure_requested({}) is False
@@ -59,7 +63,7 @@ def test_source_finder_answers_for_its_modules_only(tmp_path: Path) -> None:
 def test_pure_python_variable_loads_every_listed_module_from_source() -> None:
     root = _native.PACKAGE_DIR.parent
     out = _run(
-        f"""
+        """
         import importlib
         from kvd import _native
         for name in _native.COMPILED:
