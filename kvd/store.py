@@ -234,6 +234,19 @@ class Store(Compaction):
         n2 = n + t
         f, r0, f2, r2 = n % p, n // p, n2 % p, n2 // p
         out2 = max(0, n2 - self.window_tokens) // p  # rows entirely older than the window after this append
+        fits = self._ledger.used <= self.capacity_bytes
+        if seq is not None and f and r2 == r0 and out2 <= seq.window_done and fits:
+            # The decode step's case: the tokens stay in the hot tail, so nothing is sealed, allocated or leaves
+            # the window; what the general path below does then, without its planning.
+            refuse_nonfinite(k16, "keys", n)
+            refuse_nonfinite(v16, "values", n)
+            tail = seq.tail
+            assert tail is not None
+            np.copyto(tail[0, :, f:f2], k16)
+            np.copyto(tail[1, :, f:f2], v16)
+            seq.length = n2
+            self._tokens += t
+            return seq
         wd = seq.window_done if seq is not None else 0
         rows = range(r0, r2)  # rows this append seals
         exits = [r for r in range(wd, min(r0, out2)) if r >= sink_rows]  # sealed rows leaving the window
