@@ -2,6 +2,7 @@
 
     python bench/wire.py            # full run (about a minute)
     python bench/wire.py --quick    # smoke run
+    python bench/wire.py --frames   # only what the number of frames costs (raw pyzmq, same bytes)
 
 For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in flight, median GB/s of payload:
 
@@ -57,6 +58,9 @@ APPEND_CAPACITY_BYTES = 256 << 20  # small enough that appends reach steady stat
 GET_CAPACITY_BYTES = 1 << 30  # the get sequences live in their own server, where appends cannot evict them
 WARMUP_S = 1.5
 ROUNDS = 5
+# --frames: the bytes of an 8 MiB (fp16-equivalent) get at q4 as pages (64 pages of 40,992 bytes), in n frames
+FRAMES_TOTAL = 64 * 40992
+FRAME_COUNTS = (1, 8, 64, 640)
 
 
 # ------------------------------------------------------------------------------------------------ servers
@@ -72,6 +76,7 @@ def raw_server(conn: Any) -> None:
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     conn.send(f"tcp://127.0.0.1:{port}")
     store: dict[bytes, Any] = {}
+    frame_parts: dict[bytes, list[bytes]] = {}
     while True:
         msg = sock.recv_multipart(copy=False)
         ident, op, key = msg[0].bytes, msg[1].bytes, msg[2].bytes
@@ -80,6 +85,9 @@ def raw_server(conn: Any) -> None:
             sock.send_multipart([ident, b"ok"])
         elif op == b"G":
             sock.send_multipart([ident, b"ok", store[key]], copy=False)
+        elif op == b"F":  # FRAMES_TOTAL bytes split into int(key) frames, sent as pyzmq sends them
+            parts = frame_parts.setdefault(key, [bytes(FRAMES_TOTAL // int(key))] * int(key))
+            sock.send_multipart([ident, b"ok", *parts], copy=len(parts[0]) >= 65536)
         else:
             break
 
@@ -286,8 +294,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     ap.add_argument("--no-redis", action="store_true", help="skip Redis")
+    ap.add_argument("--frames", action="store_true",
+                    help="only the cost of frames: raw pyzmq get of the same bytes in 1, 8, 64 and 640 frames")
     args = ap.parse_args()
     tune_malloc()  # the clients (raw, kvd, redis) run in this process: one allocator setting for all
+    if args.frames:
+        return frames_only(0.4 if args.quick else 2.5)
     budget = 0.4 if args.quick else 2.5
     raw_proc, raw_ep, raw_pipe = start(raw_server)
     servers = {name: start(kvd_server, level, capacity) for name, level, capacity in (
@@ -325,6 +337,35 @@ def main() -> int:
             redis_info[0].terminate()
             redis_info[0].wait(5)
     report(rows, redis_info is not None)
+    return 0
+
+
+def frames_only(budget: float) -> int:
+    """Raw pyzmq, one request at a time: the same FRAMES_TOTAL bytes as 1, 8, 64 and 640 frames. A pages reply
+    has two frames per page, so this is what the frame count alone costs."""
+    proc, endpoint, pipe = start(raw_server)
+    try:
+        raw = Raw(endpoint)
+        batches = {}
+        for n in FRAME_COUNTS:
+            parts = [b"F", str(n).encode()]
+
+            def run(parts: list[bytes] = parts) -> None:
+                raw.sock.send_multipart(parts)
+                raw.sock.recv_multipart(copy=False)
+
+            batches[n] = run
+        res = measure(batches, 1, budget)  # type: ignore[arg-type]
+    finally:
+        pipe.send("stop")
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+    print(f"\nraw pyzmq get of {FRAMES_TOTAL} bytes in n frames, one at a time (median us per request)")
+    print("| frames | bytes per frame | us | GB/s |")
+    print("|---|---|---|---|")
+    for n in FRAME_COUNTS:
+        print(f"| {n} | {FRAMES_TOTAL // n} | {res[n] * 1e6:.0f} | {FRAMES_TOTAL / res[n] / 1e9:.2f} |")
     return 0
 
 
