@@ -9,6 +9,7 @@
    array (what get() has to do: it returns new arrays) in the same run; get_into decodes into reused buffers,
    the fair comparison with copyto. Appends come in 512-token chunks into a store in steady state (the previous
    sequence is dropped before the next is timed).
+   Then decode-step appends: one token of every layer at a time, median and mean us per append.
 2. Tokens held per GiB at each level relative to fp16, for 4,096-token sequences with the default settings
    (sink page raw, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
    headers included on both sides), and against the raw fp16 bytes of the tokens.
