@@ -69,9 +69,20 @@ from kvd.errors import (
 )
 from kvd.policy import Level
 from kvd.store_compact import Compaction
-from kvd.store_seq import RAW, Namespace, Seq, SeqId, int_arg, int_tuple, refuse_nonfinite, seq_id_arg
+from kvd.store_seq import (
+    PACK_FRAME_BYTES,
+    RAW,
+    Namespace,
+    Seq,
+    SeqId,
+    int_arg,
+    int_tuple,
+    refuse_nonfinite,
+    seq_id_arg,
+)
 
-__all__ = ["Store", "EIGHT_BIT_FORMATS", "DEFAULT_PAGE_TOKENS", "DEFAULT_SINK_TOKENS", "DEFAULT_WINDOW_TOKENS"]
+__all__ = ["Store", "EIGHT_BIT_FORMATS", "PACK_FRAME_BYTES", "DEFAULT_PAGE_TOKENS", "DEFAULT_SINK_TOKENS",
+           "DEFAULT_WINDOW_TOKENS"]
 
 DEFAULT_PAGE_TOKENS = 64
 DEFAULT_SINK_TOKENS = 4
@@ -507,17 +518,34 @@ class Store(Compaction):
         start: int = 0,
         end: int | None = None,
         layers: Sequence[int] | None = None,
-    ) -> list[tuple[int, int, bytes, bytes]]:
+    ) -> list[tuple[int, int, memoryview, memoryview]]:
         """The stored pages covering ``[start, end)`` of ``layers``: ``(layer, token0, key_page, value_page)``
         in the order of ``layers`` (None = ascending), then by token0. Pages may extend past the range; the hot
         tail comes as an fp16 page of its filled tokens. An empty range gives the one page holding ``start``,
-        so :func:`kvd.pages.assemble` ``(entries, start, end, layers)`` always equals :meth:`get`."""
+        so :func:`kvd.pages.assemble` ``(entries, start, end, layers)`` always equals :meth:`get`. The pages
+        are read-only copies (memoryviews), unaffected by anything the store does later."""
+        return self.get_pages_packed(namespace, seq_id, start, end, layers)[0]
+
+    def get_pages_packed(
+        self,
+        namespace: str,
+        seq_id: SeqId,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+        *,
+        frame_bytes: int = PACK_FRAME_BYTES,
+    ) -> tuple[list[tuple[int, int, memoryview, memoryview]], list[memoryview]]:
+        """:meth:`get_pages`' entries and the buffers their pages are views of: whole pages back to back, in
+        entry order (key page, value page), at most ``frame_bytes`` per buffer unless one page alone is larger.
+        The buffers are a packed pages reply's frames (docs/protocol.md §6.5)."""
+        frame_bytes = int_arg("frame_bytes", frame_bytes, 1)
         with self._lock:
             seq = self._sequence(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, layers)
             self._seqs.move_to_end(seq.key)
             self._gets += 1
-            return store_seq.page_entries(seq, s, e, lay, self.page_tokens)
+            return store_seq.page_entries(seq, s, e, lay, self.page_tokens, frame_bytes)
 
     def length(self, namespace: str, seq_id: SeqId) -> int:
         """Tokens stored for the sequence. Raises UnknownNamespace / UnknownSequence."""

@@ -314,24 +314,65 @@ def _read_layers(
             vj[lo - s : e - s] = seq.tail[1, i, lo - sealed_end : e - sealed_end]
 
 
-def page_entries(seq: Seq, s: int, e: int, lay: list[int], p: int) -> list[tuple[int, int, bytes, bytes]]:
+# A packed pages reply's frames hold whole pages up to this size: ZeroMQ then overlaps the copy of one frame with
+# the transfer of the one before. Raw pyzmq moved 2.6 MB fastest as 4-8 frames of 330-660 KB, 1.8-2.2x faster
+# than as 64 frames and 1.3-1.6x faster than as one (bench/wire.py --frames, BENCHMARKS.md "Wire").
+PACK_FRAME_BYTES = 512 << 10
+
+PageEntry = tuple[int, int, memoryview, memoryview]
+
+
+def page_entries(
+    seq: Seq, s: int, e: int, lay: list[int], p: int, frame_bytes: int = PACK_FRAME_BYTES
+) -> tuple[list[PageEntry], list[memoryview]]:
     """``(layer, token0, key_page, value_page)`` covering ``[s, e)`` (the page holding ``s`` if empty), in the
-    order of ``lay`` then token0; the hot tail encoded as an fp16 page of its filled tokens."""
+    order of ``lay`` then token0, the hot tail encoded as an fp16 page of its filled tokens; and the buffers the
+    pages were copied into: every page in entry order (key, value), whole pages, at most ``frame_bytes`` per
+    buffer unless one page alone is larger. The pages are read-only views of those buffers: one copy, made under
+    the store's lock, serves both forms of a pages reply."""
     r_lo = min(s, seq.length - 1) // p
     r_hi = max(-(-e // p), r_lo + 1)
     n_sealed = len(seq.pages[0])
-    out: list[tuple[int, int, bytes, bytes]] = []
+    ns = seq.ns
+    fill = seq.length - n_sealed * p
+    tail_bytes = pages.nbytes(RAW, fill, ns.heads, ns.head_dim, role="key") if r_hi > n_sealed else 0
+    # (layer, token0, key source, value source): a source is a page view, or (0 keys | 1 values, layer) of the tail
+    plan: list[tuple[int, int, Any, Any]] = []
+    sizes: list[int] = []  # of every page, in order
     for i in lay:
         for r in range(r_lo, min(r_hi, n_sealed)):
             kp, vp = seq.record_pages(i, r)
-            out.append((i, r * p, bytes(kp), bytes(vp)))
-        if r_hi > n_sealed:
-            assert seq.tail is not None
-            fill = seq.length - n_sealed * p
-            tk = pages.encode(seq.tail[0, i, :fill], RAW, role="key")
-            tv = pages.encode(seq.tail[1, i, :fill], RAW, role="value")
-            out.append((i, n_sealed * p, tk, tv))
-    return out
+            plan.append((i, r * p, kp, vp))
+            sizes += (len(kp), len(vp))
+        if tail_bytes:
+            plan.append((i, n_sealed * p, (0, i), (1, i)))
+            sizes += (tail_bytes, tail_bytes)
+    buf_sizes: list[int] = []
+    for n in sizes:
+        if buf_sizes and buf_sizes[-1] + n <= frame_bytes:
+            buf_sizes[-1] += n
+        else:
+            buf_sizes.append(n)
+    bufs = [memoryview(np.empty(n, np.uint8)) for n in buf_sizes]  # every byte is written below
+    frames = [b.toreadonly() for b in bufs]
+    out: list[PageEntry] = []
+    k = off = 0
+    for layer, token0, *sources in plan:
+        views = []
+        for role, src in zip(("key", "value"), sources, strict=True):
+            if off == len(bufs[k]):
+                k, off = k + 1, 0
+            buf = bufs[k]
+            if type(src) is tuple:
+                assert seq.tail is not None
+                n = pages.encode_into(seq.tail[src[0], src[1], :fill], RAW, buf[off : off + tail_bytes], role=role)
+            else:
+                n = len(src)
+                buf[off : off + n] = src
+            views.append(frames[k][off : off + n])
+            off += n
+        out.append((layer, token0, views[0], views[1]))
+    return out, frames
 
 
 def explain(seq: Seq, layer: object, token: object, p: int, sink_rows: int) -> dict[str, Any]:

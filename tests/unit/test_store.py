@@ -183,6 +183,62 @@ def test_get_pages_are_the_stored_pages_and_the_tail_is_an_fp16_page() -> None:
     assert [(e[1]) for e in s.get_pages(NS, 1, 70, 80)] == [64]
 
 
+@pytest.mark.parametrize("frame_bytes", [1, 20_000, 60_000, 1 << 30])
+def test_get_pages_packed_frames_are_the_pages_back_to_back(frame_bytes: int) -> None:
+    s = store(layers=3)
+    s.set_level("q4", 1)
+    k, v = kv(3, 300, 3, 64)
+    s.append(NS, 1, k, v)
+    entries, frames = s.get_pages_packed(NS, 1, 10, 290, [2, 0], frame_bytes=frame_bytes)
+    assert entries == s.get_pages(NS, 1, 10, 290, [2, 0])  # the same entries, the same bytes
+    flat = [page for e in entries for page in e[2:]]
+    assert b"".join(frames) == b"".join(flat)
+    assert all(f.readonly for f in frames) and all(page.readonly for page in flat)
+    # whole pages, as many as fit in frame_bytes (a page larger than that travels alone)
+    bounds = np.cumsum([0] + [len(page) for page in flat])
+    ends = np.cumsum([len(f) for f in frames])
+    assert set(ends) <= set(bounds)
+    starts = [0, *ends[:-1]]
+    for a, b in zip(starts, ends, strict=True):
+        pages_in = int(np.searchsorted(bounds, b) - np.searchsorted(bounds, a))
+        assert b - a <= frame_bytes or pages_in == 1
+        if b < bounds[-1]:  # the next page did not fit
+            assert b - a + len(flat[int(np.searchsorted(bounds, b))]) > frame_bytes
+    if frame_bytes == 1:
+        assert len(frames) == 2 * len(entries)
+    if frame_bytes == 1 << 30:
+        assert len(frames) == 1
+    keys, values = pages.assemble(entries, 10, 290, [2, 0])
+    np.testing.assert_array_equal(bits(keys), bits(s.get(NS, 1, 10, 290, [2, 0])[0]))
+    np.testing.assert_array_equal(bits(values), bits(s.get(NS, 1, 10, 290, [2, 0])[1]))
+
+
+def test_get_pages_are_copies_the_store_does_not_change_later() -> None:
+    s = store(layers=1, capacity=2 * MiB, eviction="lru")
+    k, v = kv(1, 200, 3, 64)
+    s.append(NS, 1, k, v)
+    entries, frames = s.get_pages_packed(NS, 1)
+    before = [bytes(f) for f in frames]
+    s.set_level("q4", 1)
+    while s.compact(1 << 20):  # re-encodes the sealed pages in place
+        pass
+    s.append(NS, 1, k[:, :30], v[:, :30])  # fills the hot tail the reply copied
+    s.drop(NS, 1)
+    for i in range(20):  # reuses the freed memory
+        s.append(NS, 100 + i, k, v)
+    assert [bytes(f) for f in frames] == before
+    keys, _ = pages.assemble(entries, 0, 200, [0])
+    np.testing.assert_array_equal(bits(keys), bits(k))
+
+
+def test_get_pages_packed_refuses_a_bad_frame_size() -> None:
+    s = store(layers=1)
+    s.append(NS, 1, *kv(1, 3, 3, 64))
+    for bad in (0, -5, 1.5, True, "64"):
+        with pytest.raises(InvalidArgument, match="frame_bytes"):
+            s.get_pages_packed(NS, 1, frame_bytes=bad)
+
+
 # ------------------------------------------------------------------------------------------ levels and epochs
 
 
