@@ -10,7 +10,7 @@ the public module, which re-exports them all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
@@ -31,6 +31,7 @@ from kvd.protocol_schema import (
     Limits,
     PageEntry,
     SeqId,
+    byte_view,
     check_array,
     check_bool,
     check_dim,
@@ -54,6 +55,7 @@ from kvd.protocol_schema import (
     int_in,
     plain_int,
     show,
+    split_packed,
     tensor_frame,
     tensors_from_wire,
     text_in,
@@ -180,7 +182,9 @@ class AppendRequest(_Message):
 class GetRequest(_Message):
     """Store.get (``format="fp16"``, reply :class:`GetReply`) or get_pages (``"pages"``, :class:`GetPagesReply`).
 
-    Tokens ``[start, end)`` (``end=None``: to the end) of ``layers`` (None: all, in order).
+    Tokens ``[start, end)`` (``end=None``: to the end) of ``layers`` (None: all, in order). ``packed`` (protocol
+    1.1, ``format="pages"`` only) asks for the pages in a few frames; it is on the wire only when true, so a
+    request without it is the same bytes as in 1.0.
     """
 
     OP = "get"
@@ -192,16 +196,30 @@ class GetRequest(_Message):
         ("format", check_get_format),
     )
     OPTIONAL = ("start", "end", "layers", "format")
+    EXTRA_KEYS = ("packed",)
     namespace: str
     seq_id: SeqId
     start: int = 0
     end: int | None = None
     layers: tuple[int, ...] | None = None
     format: str = "fp16"
+    packed: bool = False
 
     def _cross_check(self, wire: bool = False) -> None:
         if self.end is not None and self.end < self.start:
             raise InvalidArgument(f"start must be <= end, got start={self.start} end={self.end}")
+        if not wire:
+            object.__setattr__(self, "packed", check_bool("packed", self.packed, InvalidArgument))
+        if self.packed and self.format != "pages":
+            raise InvalidArgument(f"packed applies to format pages only, got format {self.format!r}")
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        return ({"packed": True} if self.packed else {}), []
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        packed = header.get("packed")
+        return {"packed": False if packed is None else check_bool("packed", packed, ProtocolError)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -370,16 +388,21 @@ class GetPagesReply(_Message):
     Exactly Store.get_pages' entries. Pages are bytes-like: decoded replies hold the received frames themselves
     (bytes) or memoryviews of them, never copies.
     ``kvd.pages.assemble(entries, start, end, layers)`` rebuilds the float16 arrays (docs/formats.md).
+
+    ``packed`` (protocol 1.1): None sends two frames per entry; otherwise the frames to send instead, whose
+    concatenation is every entry's key and value page in order, each frame whole pages (Store.get_pages_packed
+    gives both). A decoded packed reply has the received frames here and entries viewing into them.
     """
 
     OP = "get"
     FIELDS = (("start", check_position), ("end", check_position), ("layers", check_required_layers))
-    EXTRA_KEYS = ("format", "entries")
+    EXTRA_KEYS = ("format", "entries", "packed")
     FRAMES = None
     start: int
     end: int
     layers: tuple[int, ...]
     entries: tuple[PageEntry, ...]
+    packed: tuple[Frame, ...] | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
         if self.end < self.start:
@@ -397,21 +420,46 @@ class GetPagesReply(_Message):
             seen.add((layer, token0))
             if not len(kpage) or not len(vpage):
                 raise InvalidArgument(f"entries[{i}] ({layer}, {token0}) has an empty page")
+        if self.packed is not None and not wire:
+            packed = tuple(byte_view(f, f"packed[{i}]") for i, f in enumerate(check_array("packed", self.packed,
+                                                                                          InvalidArgument)))
+            try:
+                split = split_packed(packed, 2 * len(entries))
+            except ProtocolError as exc:
+                raise InvalidArgument(str(exc)) from None
+            pages = [page for e in entries for page in (e[2], e[3])]
+            if any(a != b for a, b in zip(split, pages, strict=True)):
+                raise InvalidArgument("packed frames are not the entries' pages in order")
+            object.__setattr__(self, "packed", packed)
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        listed = [[e[0], e[1]] for e in self.entries]
+        if self.packed is not None:
+            return {"format": "pages", "packed": True, "entries": listed}, list(self.packed)
         frames: list[Frame] = []
         for entry in self.entries:
             frames += (entry[2], entry[3])
-        return {"format": "pages", "entries": [[e[0], e[1]] for e in self.entries]}, frames
+        return {"format": "pages", "entries": listed}, frames
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
         listed = check_array("entries", header.get("entries"), ProtocolError)
+        packed = header.get("packed")
+        if packed is not None and check_bool("packed", packed, ProtocolError):
+            if len(listed) > limits.max_pages:
+                raise ProtocolError(f"entries lists {len(listed)} pages, more than max_pages {limits.max_pages}")
+            pages = split_packed(frames, 2 * len(listed))
+            return {"entries": cls._entries(listed, pages), "packed": tuple(frames)}
         if len(listed) > limits.max_pages or len(frames) != 2 * len(listed):
             raise ProtocolError(
                 f"entries lists {len(listed)} pages but {len(frames)} page frames follow "
                 f"(2 per entry, at most {limits.max_pages} entries)"
             )
+        return {"entries": cls._entries(listed, frames)}
+
+    @staticmethod
+    def _entries(listed: list[Any], pages: Sequence[Frame]) -> tuple[PageEntry, ...]:
+        """``(layer, token0, key page, value page)`` from the header's pairs and the pages in order."""
         entries = []
         for i, pair in enumerate(listed):
             if (
@@ -420,7 +468,7 @@ class GetPagesReply(_Message):
                 and plain_int(pair[0], MAX_INDEX)
                 and plain_int(pair[1], MAX_POSITION)
             ):  # fast path; the checks below name what is wrong
-                entries.append((pair[0], pair[1], frames[2 * i], frames[2 * i + 1]))
+                entries.append((pair[0], pair[1], pages[2 * i], pages[2 * i + 1]))
                 continue
             if not isinstance(pair, list) or len(pair) != 2:
                 raise ProtocolError(f"entries[{i}] must be [layer, token0], got {show(pair)}")
@@ -429,11 +477,11 @@ class GetPagesReply(_Message):
                 (
                     layer,
                     check_position(f"entries[{i}].token0", pair[1], ProtocolError),
-                    frames[2 * i],
-                    frames[2 * i + 1],
+                    pages[2 * i],
+                    pages[2 * i + 1],
                 )
             )
-        return {"entries": tuple(entries)}
+        return tuple(entries)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -11,6 +11,7 @@ domain is always :class:`~kvd.errors.InvalidArgument`. Every message names the f
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype("<u2")
 
 PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
-PROTOCOL_MINOR = 0  # additions a client can discover through hello; never changes the meaning of old fields
+PROTOCOL_MINOR = 1  # additions a client can discover through hello; never changes the meaning of old fields
+# 1.1: get's ``packed`` field (pages in few frames, docs/protocol.md §6.5)
 
 _KIB = 1024
 _MIB = 1024 * _KIB
@@ -405,6 +407,42 @@ def check_page_entry(i: int, entry: Any) -> PageEntry:
         byte_view(entry[2], f"entries[{i}] key page"),
         byte_view(entry[3], f"entries[{i}] value page"),
     )
+
+
+# What a packed pages reply's reader needs of a page header (docs/formats.md): magic, raw-head count and payload
+# length, from which the page's total length follows. Framing only: the pages themselves are checked on decode.
+_PAGE_SPAN = struct.Struct("<4s6xH8xI")
+_PAGE_MAGIC = b"KVDP"
+
+
+def split_packed(frames: Sequence[Frame], n_pages: int) -> list[memoryview]:
+    """The pages in ``frames`` of a packed pages reply: each frame holds one or more whole pages back to back,
+    and a page's length is ``32 + align8(2 * n_raw) + payload_bytes`` from its own header. Views, not copies.
+    Raises :class:`ProtocolError` unless the frames split into exactly ``n_pages`` pages."""
+    out: list[memoryview] = []
+    unpack = _PAGE_SPAN.unpack_from
+    for i, frame in enumerate(frames):
+        view = frame if type(frame) is memoryview else memoryview(frame)
+        n = len(view)
+        if not n:
+            raise ProtocolError(f"packed frame {i} is empty")
+        off = 0
+        while off < n:
+            if n - off < _PAGE_SPAN.size:
+                raise ProtocolError(f"packed frame {i} ends inside a page header at byte {off}")
+            magic, n_raw, payload = unpack(view, off)
+            size = 32 + (2 * n_raw + 7) // 8 * 8 + payload
+            if magic != _PAGE_MAGIC or size > n - off:
+                raise ProtocolError(f"packed frame {i} has no whole kvd page at byte {off} "
+                                    f"(magic {bytes(magic)!r}, {size} bytes claimed, {n - off} left)")
+            out.append(view[off : off + size])
+            off += size
+        if len(out) > n_pages:
+            break
+    if len(out) != n_pages:
+        raise ProtocolError(f"packed frames hold {len(out)}{'+' if len(out) > n_pages else ''} pages, "
+                            f"entries need {n_pages}")
+    return out
 
 
 # ---- size limits ---------------------------------------------------------------------------------------------

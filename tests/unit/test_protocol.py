@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import math
 import random
 import sys
@@ -25,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvd import errors
+from kvd import errors, pages
 from kvd import protocol as p
 from kvd.errors import (
     ConfigError,
@@ -59,6 +60,9 @@ def same(a: Any, b: Any) -> bool:
         if isinstance(x, np.ndarray):
             if x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes():
                 return False
+        elif f.name == "packed" and isinstance(x, tuple) and isinstance(y, tuple):
+            if [bytes(f) for f in x] != [bytes(f) for f in y]:
+                return False
         elif f.name == "entries":
             if [(e[0], e[1], bytes(e[2]), bytes(e[3])) for e in x] != [
                 (e[0], e[1], bytes(e[2]), bytes(e[3])) for e in y
@@ -85,8 +89,14 @@ def tensor(shape: tuple[int, ...], dtype: str, offset: float = 0.0) -> np.ndarra
     return (np.arange(math.prod(shape), dtype=np.float32).reshape(shape) / 4 + offset).astype(WIRE_DTYPES[dtype])
 
 
+def real_page(tokens: int, offset: float, level: str = "fp16") -> bytes:
+    """A small real kvd page (deterministic bytes)."""
+    return pages.encode(tensor((tokens, 1, 4), "float16", offset), level, role="key")
+
+
 def examples() -> dict[str, Any]:
     k16, v16 = tensor((2, 3, 1, 4), "float16"), tensor((2, 3, 1, 4), "float16", -1.5)
+    packed = [real_page(2, 0.0), real_page(2, 1.0, "q8"), real_page(1, 2.0), real_page(1, 3.0, "q8")]
     return {
         "hello_request": p.HelloRequest(request_id=1),
         "hello_reply": p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="0.1.0",
@@ -120,6 +130,11 @@ def examples() -> dict[str, Any]:
             (0, 128, b"KVDP-key-0-128", b"KVDP-value-0-128"),
             (5, 64, b"KVDP-key-5-64", b"KVDP-value-5-64"),
         )),
+        "get_request_packed": p.GetRequest(request_id=18, namespace="smollm2", seq_id=17, start=1, end=3,
+                                           layers=(0,), format="pages", packed=True),
+        "get_reply_pages_packed": p.GetPagesReply(  # three pages in the first frame, one in the second
+            request_id=18, start=1, end=3, layers=(0,), entries=((0, 0, *packed[:2]), (0, 2, *packed[2:])),
+            packed=(b"".join(packed[:3]), packed[3])),
         "drop_request": p.DropRequest(request_id=10, namespace="smollm2", seq_id="req-42"),
         "drop_reply": p.DropReply(request_id=10, dropped=True),
         "length_request": p.LengthRequest(request_id=11, namespace="smollm2", seq_id=17),
@@ -211,9 +226,10 @@ def tensor_pair(draw: Any, dtypes: tuple[str, ...] = ("float16", "float32", "bfl
 def get_requests(draw: Any) -> p.GetRequest:
     start = draw(positions)
     end = draw(st.one_of(st.none(), st.integers(start, p.MAX_POSITION)))
+    fmt = draw(st.sampled_from(p.GET_FORMATS))
     return p.GetRequest(request_id=draw(request_ids), namespace=draw(namespaces), seq_id=draw(seq_ids),
-                        start=start, end=end, layers=draw(st.one_of(st.none(), layer_lists)),
-                        format=draw(st.sampled_from(p.GET_FORMATS)))
+                        start=start, end=end, layers=draw(st.one_of(st.none(), layer_lists)), format=fmt,
+                        packed=fmt == "pages" and draw(st.booleans()))
 
 
 @st.composite
@@ -234,6 +250,33 @@ def get_pages_replies(draw: Any) -> p.GetPagesReply:
     start = draw(positions)
     return p.GetPagesReply(request_id=draw(request_ids), start=start, end=draw(st.integers(start, p.MAX_POSITION)),
                            layers=layers, entries=tuple((lay, t0, draw(pages), draw(pages)) for lay, t0 in keys))
+
+
+@st.composite
+def span_pages(draw: Any) -> bytes:
+    """Bytes that frame as a kvd page (magic, raw-head count, payload length); the rest is random: the protocol
+    only frames pages, the page decoder checks them."""
+    n_raw, payload = draw(st.integers(0, 5)), draw(st.integers(0, 40))
+    head = b"KVDP" + draw(st.binary(min_size=6, max_size=6)) + n_raw.to_bytes(2, "little")
+    head += draw(st.binary(min_size=8, max_size=8)) + payload.to_bytes(4, "little")
+    rest = draw(st.binary(min_size=8 + (2 * n_raw + 7) // 8 * 8 + payload, max_size=8 + (2 * n_raw + 7) // 8 * 8
+                          + payload))
+    return head + rest
+
+
+@st.composite
+def packed_pages_replies(draw: Any) -> p.GetPagesReply:
+    """A packed pages reply with its pages cut into frames at random page boundaries."""
+    layers = draw(layer_lists)
+    keys = draw(st.lists(st.tuples(st.sampled_from(layers), st.integers(0, 2**40)), max_size=12, unique=True))
+    entries = tuple((lay, t0, draw(span_pages()), draw(span_pages())) for lay, t0 in keys)
+    flat = [page for e in entries for page in e[2:]]
+    cuts = sorted(draw(st.sets(st.integers(1, max(1, len(flat) - 1)), max_size=4))) if len(flat) > 1 else []
+    bounds = [0, *[c for c in cuts if c < len(flat)], len(flat)]
+    frames = tuple(b"".join(flat[a:b]) for a, b in itertools.pairwise(bounds) if b > a)
+    start = draw(positions)
+    return p.GetPagesReply(request_id=draw(request_ids), start=start, end=draw(st.integers(start, p.MAX_POSITION)),
+                           layers=layers, entries=entries, packed=frames)
 
 
 stat_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
@@ -272,6 +315,7 @@ MESSAGES: dict[str, Any] = {
     "append_reply": st.builds(p.AppendReply, request_id=request_ids, length=positions),
     "get_reply": get_replies(),
     "get_pages_reply": get_pages_replies(),
+    "get_pages_reply_packed": packed_pages_replies(),
     "drop_reply": st.builds(p.DropReply, request_id=request_ids, dropped=st.booleans()),
     "length_reply": st.builds(p.LengthReply, request_id=request_ids, length=positions),
     "stats_reply": st.builds(p.StatsReply, request_id=request_ids,
@@ -334,6 +378,46 @@ def test_pages_are_views_of_the_received_frames() -> None:
     reply = p.decode_reply(frames)
     assert isinstance(reply, p.GetPagesReply)
     assert np.shares_memory(np.frombuffer(reply.entries[1][2], np.uint8), np.frombuffer(frames[3], np.uint8))
+
+
+def test_packed_pages_are_views_of_the_received_frames_and_match_the_unpacked_form() -> None:
+    msg = examples()["get_reply_pages_packed"]
+    frames = [bytearray(bytes(f)) for f in encode(msg)]
+    assert len(frames) == 3  # the header and two packed frames for four pages
+    reply = p.decode_reply(frames)
+    assert isinstance(reply, p.GetPagesReply) and reply.packed is not None
+    assert np.shares_memory(np.frombuffer(reply.entries[1][2], np.uint8), np.frombuffer(frames[1], np.uint8))
+    assert np.shares_memory(np.frombuffer(reply.entries[1][3], np.uint8), np.frombuffer(frames[2], np.uint8))
+    unpacked = dataclasses.replace(msg, packed=None)
+    plain = p.decode_reply(as_bytes(encode(unpacked)))
+    assert [(e[0], e[1], bytes(e[2]), bytes(e[3])) for e in plain.entries] == [
+        (e[0], e[1], bytes(e[2]), bytes(e[3])) for e in reply.entries]
+    got = pages.assemble(reply.entries, reply.start, reply.end, reply.layers)
+    want = pages.assemble(plain.entries, plain.start, plain.end, plain.layers)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_packed_frames_must_be_the_entries_pages() -> None:
+    msg = examples()["get_reply_pages_packed"]
+    frames = [bytes(f) for f in msg.packed]
+    with pytest.raises(InvalidArgument, match="not the entries' pages in order"):
+        dataclasses.replace(msg, packed=(frames[0], PAGES[1]))  # same framing, other bytes
+    with pytest.raises(InvalidArgument, match="hold 3 pages, entries need 4"):
+        dataclasses.replace(msg, packed=(frames[0],))
+    with pytest.raises(InvalidArgument, match="packed must be an array"):
+        dataclasses.replace(msg, packed=frames[0])
+    with pytest.raises(InvalidArgument, match="packed must be a boolean"):
+        p.GetRequest(request_id=1, namespace="m", seq_id=1, format="pages", packed=1)
+    with pytest.raises(InvalidArgument, match="packed applies to format pages only"):
+        p.GetRequest(request_id=1, namespace="m", seq_id=1, packed=True)
+
+
+def test_a_request_without_packed_keeps_its_1_0_bytes() -> None:
+    # packed is on the wire only when true, so a 1.0 server never sees a key it does not know
+    req = p.GetRequest(request_id=8, namespace="smollm2", seq_id=17, start=64, end=200, layers=(0, 5),
+                       format="pages")
+    assert "packed" not in msgpack.unpackb(bytes(p.encode_request(req)[0]))
+    assert as_bytes(p.encode_request(req)) == read_frames(FIXTURES / "get_request_pages.frames")
 
 
 class DLPackOnly:
@@ -493,6 +577,8 @@ REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
     ("layers is a map", request("get", layers={"0": 0}), ProtocolError, "layers must be an array"),
     ("unknown format", request("get", format="fp32"), InvalidArgument, "format must be one of fp16, pages"),
     ("format is int", request("get", format=1), ProtocolError, "format must be a string"),
+    ("packed fp16", request("get", packed=True), InvalidArgument, "packed applies to format pages only"),
+    ("packed is 1", request("get", format="pages", packed=1), ProtocolError, "packed must be a boolean"),
     # explain
     ("negative layer", request("explain", layer=-1), InvalidArgument, "layer must be in"),
     ("missing token", request("explain", token=DELETE), ProtocolError, "'token'"),
@@ -628,6 +714,15 @@ def hdr(**fields: Any) -> bytes:
     return packb(fields)
 
 
+PAGES = [real_page(3, 0.0), real_page(3, 1.0, "q8")]  # the key and value page of one entry
+
+
+def packed_reply(frames: list[bytes], **changes: Any) -> list[bytes]:
+    header = {"v": 1, "id": 1, "op": "get", "ok": True, "format": "pages", "start": 0, "end": 3, "layers": [0],
+              "packed": True, "entries": [[0, 0]], **changes}
+    return [hdr(**header), *frames]
+
+
 REPLIES_REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
     ("no ok", [hdr(v=1, id=1, op="ping")], ProtocolError, "ok must be a boolean"),
     ("ok is 1", [hdr(v=1, id=1, op="ping", ok=1)], ProtocolError, "ok must be a boolean"),
@@ -653,6 +748,19 @@ REPLIES_REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
                                entries=[[0, 0, 0]]), b"k", b"v"], ProtocolError, "must be [layer, token0]"),
     ("pages layer not listed", [hdr(v=1, id=1, op="get", ok=True, format="pages", start=0, end=1, layers=[0],
                                     entries=[[3, 0]]), b"k", b"v"], InvalidArgument, "not in layers"),
+    ("packed is a string", packed_reply([b"".join(PAGES)], packed="yes"), ProtocolError,
+     "packed must be a boolean"),
+    ("packed empty frame", packed_reply([b"".join(PAGES), b""]), ProtocolError, "packed frame 1 is empty"),
+    ("packed page cut", packed_reply([PAGES[0][:-8]]), ProtocolError, "no whole kvd page at byte 0"),
+    ("packed frame ends in a header", packed_reply([PAGES[0] + PAGES[1][:20]]), ProtocolError,
+     "ends inside a page header"),
+    ("packed wrong magic", packed_reply([b"XVDP" + PAGES[0][4:] + PAGES[1]]), ProtocolError, "magic b'XVDP'"),
+    ("packed page split over frames", packed_reply([PAGES[0] + PAGES[1][:40], PAGES[1][40:]]), ProtocolError,
+     "no whole kvd page"),
+    ("packed too few pages", packed_reply([PAGES[0]]), ProtocolError, "hold 1 pages, entries need 2"),
+    ("packed too many pages", packed_reply([PAGES[0] + PAGES[1], PAGES[0]]), ProtocolError, "hold 3+ pages"),
+    ("packed huge claimed payload", packed_reply([PAGES[0][:20] + b"\xff\xff\xff\xff" + PAGES[0][24:] + PAGES[1]]),
+     ProtocolError, "4294967327 bytes claimed"),
     ("fp16 reply in float32", [hdr(v=1, id=1, op="get", ok=True, format="fp16", start=0, end=1, layers=[0],
                                    dtype="float32", shape=[1, 1, 1, 1]), b"1234", b"1234"], ProtocolError,
      "dtype must be one of float16"),
@@ -745,7 +853,7 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
 
 KEYS = ["v", "id", "op", "ok", "namespace", "seq_id", "start", "end", "layers", "format", "dtype", "shape",
         "offset", "layer", "token", "num_layers", "num_kv_heads", "head_dim", "entries", "length", "code",
-        "error", "message", "stats", "dropped", "level", "reasons", "nope"]
+        "error", "message", "stats", "dropped", "level", "reasons", "packed", "nope"]
 
 
 def hostile() -> list[list[Any]]:
