@@ -54,6 +54,7 @@ from kvd.client_core import (
     _append_chunks,  # noqa: F401 - re-exported for the tests
     _Conn,
     _Core,
+    _on_wire,
     _open_socket,
     _value,
     aggregate_stats,
@@ -156,7 +157,7 @@ class Client(_Core):
                 error = exc
 
     def _send(self, conn: _Conn, req: Any, deadline: float) -> None:
-        frames = p.encode_request(req, conn.limits)
+        frames = p.encode_request(_on_wire(conn, req), conn.limits)
         sock = conn.sock
         try:
             send_frames(sock, frames, _NOBLOCK)

@@ -21,6 +21,7 @@ from kvd.client_core import (
     Plan,
     _Conn,
     _Core,
+    _on_wire,
     _open_socket,
     aggregate_stats,
 )
@@ -99,7 +100,7 @@ class AsyncClient(_Core):
                 fut.set_result(reply)
 
     async def _send(self, conn: _Conn, req: Any, deadline: float) -> None:
-        frames = p.encode_request(req, conn.limits)
+        frames = p.encode_request(_on_wire(conn, req), conn.limits)
         fut = asyncio.get_running_loop().create_future()
         conn.waiting[req.request_id] = fut  # the reader resolves it
         conn.replies[req.request_id] = fut  # _wait takes it from here (it may be resolved before _wait runs)

@@ -82,14 +82,15 @@ def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class _Conn:
     """One DEALER to one server, with the replies received for requests still waited for."""
 
-    __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "waiting", "replies", "reader",
-                 "rcvtimeo", "closed")
+    __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "waiting", "replies",
+                 "reader", "rcvtimeo", "closed")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
         self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
         self.shard_id: str | None = None
         self.hello: p.HelloReply | None = None
         self.limits = p.DEFAULT_LIMITS
+        self.packs = False  # the server takes get's packed field (protocol 1.1)
         self.waiting: dict[int, Any] = {}  # id -> None (sync: reply not yet in) or a Future (async)
         self.replies: dict[int, Any] = {}
         self.reader: asyncio.Task[None] | None = None
@@ -155,6 +156,7 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
         raise ShardUnavailable(f"{conn.endpoint} is now {reply.role} {reply.shard_id!r}, not shard {expect_id!r} "
                                "as the topology said")
     conn.hello, conn.limits, conn.shard_id = reply, reply.limits, reply.shard_id
+    conn.packs = reply.protocol_minor >= 1
 
 
 def _value(req: Any, reply: Any) -> Any:
@@ -197,15 +199,28 @@ def _append_chunks(keys: Any, values: Any, limits: p.Limits) -> list[tuple[Any, 
     return [(k[:, t:t + step], v[:, t:t + step]) for t in range(0, k.shape[1], step)]
 
 
-def _renumber(req: Any, rid: int) -> Any:
-    """``req`` under a new request id (messages are frozen and their fields were validated already)."""
+def _replace(req: Any, **changes: Any) -> Any:
+    """``req`` with ``changes`` (messages are frozen; their fields were validated already, the changes must be
+    valid too)."""
     clone = object.__new__(type(req))
     for cls in type(req).__mro__:
         for name in getattr(cls, "__slots__", ()):
             if name != "__weakref__":
-                object.__setattr__(clone, name, getattr(req, name))
-    object.__setattr__(clone, "request_id", rid)
+                object.__setattr__(clone, name, changes[name] if name in changes else getattr(req, name))
     return clone
+
+
+def _renumber(req: Any, rid: int) -> Any:
+    """``req`` under a new request id."""
+    return _replace(req, request_id=rid)
+
+
+def _on_wire(conn: _Conn, req: Any) -> Any:
+    """``req`` as sent on ``conn``: a pages get asks for packed pages (fewer frames) from a server that speaks
+    protocol 1.1 (docs/protocol.md §6.5); the caller's result is the same either way."""
+    if conn.packs and type(req) is p.GetRequest and req.format == "pages" and not req.packed:
+        return _replace(req, packed=True)
+    return req
 
 
 def _is_busy(reply: Any) -> bool:

@@ -63,7 +63,7 @@ from kvd.netopts import (
     send_frames,
     tune_malloc,
 )
-from kvd.store import Store
+from kvd.store import PACK_FRAME_BYTES, Store
 
 log = logging.getLogger(__name__)
 
@@ -426,6 +426,7 @@ class ShardServer(_RouterServer):
                          max_queued_bytes=max_queued_bytes, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
                          heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s)
         self._store = store
+        self._pack_frame_bytes = min(PACK_FRAME_BYTES, self._limits.max_frame_bytes)  # packed pages replies
         self._shard_id = p.check_short_text("shard_id", shard_id, ConfigError)
         if isinstance(compact_budget_bytes, bool) or not isinstance(compact_budget_bytes, int) \
                 or compact_budget_bytes < 0:
@@ -502,14 +503,15 @@ class ShardServer(_RouterServer):
             layers = req.layers if req.layers is not None else tuple(range(keys.shape[0]))
             return p.GetReply.trusted(request_id=req.request_id, start=req.start, end=req.start + keys.shape[1],
                                       layers=layers, keys=keys, values=values)
-        entries = store.get_pages(req.namespace, req.seq_id, req.start, req.end, req.layers)
+        entries, frames = store.get_pages_packed(req.namespace, req.seq_id, req.start, req.end, req.layers,
+                                                 frame_bytes=self._pack_frame_bytes)
         if len(entries) > self._limits.max_pages:
             raise MessageTooLarge(f"the range needs {len(entries)} pages, more than max_pages "
                                     f"{self._limits.max_pages}: ask for fewer tokens or layers")
         end = req.end if req.end is not None else store.length(req.namespace, req.seq_id)
         layers = req.layers if req.layers is not None else tuple(dict.fromkeys(e[0] for e in entries))
         return p.GetPagesReply.trusted(request_id=req.request_id, start=req.start, end=int(end), layers=layers,
-                                       entries=tuple(entries))
+                                       entries=tuple(entries), packed=tuple(frames) if req.packed else None)
 
     def _on_drop(self, req: p.DropRequest) -> p.DropReply:
         dropped = bool(self._store.drop(req.namespace, req.seq_id))

@@ -245,6 +245,42 @@ def test_q4_pages_decode_to_the_fp16_reply(q4_shard: ServerProcess) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_pages_travel_packed_from_a_1_1_server_and_one_per_frame_otherwise(q4_shard: ServerProcess) -> None:
+    k, v = kv(tokens=1000, seed=5)
+    with Client(q4_shard.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        c.append(NS, "pk", k, v)
+        fp16 = c.get(NS, "pk", 10, 990)
+        (conn,) = c._conns.values()
+        assert conn.packs and conn.hello is not None and conn.hello.protocol_minor == 1
+        for packs in (True, False):  # False: how this client talks to a 1.0 server, which never sees packed
+            conn.packs = packs
+            paged = c.get(NS, "pk", 10, 990, format="pages")
+            assert np.array_equal(paged[0], fp16[0]) and np.array_equal(paged[1], fp16[1]), packs
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(q4_shard.endpoint)
+    try:
+        replies = {}
+        for packed in (False, True):
+            req = p.GetRequest(request_id=1, namespace=NS, seq_id="pk", format="pages", packed=packed)
+            sock.send_multipart(p.encode_request(req))
+            assert sock.poll(10_000)
+            frames = sock.recv_multipart()
+            reply = replies[packed] = p.decode_reply(frames)
+            assert isinstance(reply, p.GetPagesReply) and len(reply.entries) == 2 * 16  # 2 layers x 16 pages
+            # packed: 64 small pages fit in one frame; else two frames per entry
+            assert len(frames) - 1 == (1 if packed else 2 * len(reply.entries))
+            assert (reply.packed is not None) == packed
+        assert [(e[0], e[1], bytes(e[2]), bytes(e[3])) for e in replies[True].entries] == [
+            (e[0], e[1], bytes(e[2]), bytes(e[3])) for e in replies[False].entries]
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
 def test_offsets_make_appends_conditional(shard: ServerProcess) -> None:
     with Client(shard.endpoint, timeout_s=10) as c:
         c.register(NS, **LAYOUT)
