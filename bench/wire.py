@@ -3,6 +3,7 @@
     python bench/wire.py            # full run (about a minute)
     python bench/wire.py --quick    # smoke run
     python bench/wire.py --frames   # only what the number of frames costs (raw pyzmq, same bytes)
+    python bench/wire.py --packed   # pages of a 32-layer 7B-class sequence: packed (1.1) vs a frame per page (1.0)
 
 For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in flight, median GB/s of payload:
 
@@ -61,6 +62,9 @@ ROUNDS = 5
 # --frames: the bytes of an 8 MiB (fp16-equivalent) get at q4 as pages (64 pages of 40,992 bytes), in n frames
 FRAMES_TOTAL = 64 * 40992
 FRAME_COUNTS = (1, 8, 64, 640)
+# --packed: a 32-layer 7B-class sequence read whole as pages at q4
+PACKED_LAYERS = 32
+PACKED_TOKENS = (256, 1024)
 
 
 # ------------------------------------------------------------------------------------------------ servers
@@ -296,10 +300,14 @@ def main() -> int:
     ap.add_argument("--no-redis", action="store_true", help="skip Redis")
     ap.add_argument("--frames", action="store_true",
                     help="only the cost of frames: raw pyzmq get of the same bytes in 1, 8, 64 and 640 frames")
+    ap.add_argument("--packed", action="store_true",
+                    help="only pages of a 32-layer sequence at q4: packed (protocol 1.1) vs one frame per page")
     args = ap.parse_args()
     tune_malloc()  # the clients (raw, kvd, redis) run in this process: one allocator setting for all
     if args.frames:
         return frames_only(0.4 if args.quick else 2.5)
+    if args.packed:
+        return packed_only(0.4 if args.quick else 2.5)
     budget = 0.4 if args.quick else 2.5
     raw_proc, raw_ep, raw_pipe = start(raw_server)
     servers = {name: start(kvd_server, level, capacity) for name, level, capacity in (
@@ -366,6 +374,67 @@ def frames_only(budget: float) -> int:
     print("|---|---|---|---|")
     for n in FRAME_COUNTS:
         print(f"| {n} | {FRAMES_TOTAL // n} | {res[n] * 1e6:.0f} | {FRAMES_TOTAL / res[n] / 1e9:.2f} |")
+    return 0
+
+
+def packed_only(budget: float) -> int:
+    """One request at a time, a q4 server: ``get(format="pages")`` of a whole 32-layer 7B-class sequence, as a
+    1.1 client asks for it (packed) and as a 1.0 client does (two frames per entry: this client with packing
+    switched off), with raw pyzmq's get of the fp16 bytes (keys + values in one frame) for scale."""
+    proc, endpoint, pipe = start(kvd_server, "q4", 2 << 30)
+    raw_proc, raw_ep, raw_pipe = start(raw_server)
+    rows = []
+    try:
+        client = Client(endpoint, timeout_s=60)
+        client.register("packed", num_layers=PACKED_LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+        raw = Raw(raw_ep)
+        (conn,) = client._conns.values()  # a diagnostic: the per-connection switch _on_wire reads
+        assert conn.packs, "the server does not speak protocol 1.1"
+        for tokens in PACKED_TOKENS:
+            rng = np.random.default_rng(tokens)
+            k = rng.standard_normal((PACKED_LAYERS, tokens, HEADS, DIM), dtype=np.float32).astype(np.float16)
+            v = (k * -0.5).astype(np.float16)
+            client.append("packed", tokens, k, v)
+            fp16 = client.get("packed", tokens)
+            key = f"fp16-{tokens}".encode()
+            raw.sock.send_multipart([b"P", key, k.tobytes() + v.tobytes()])  # keys + values: one frame
+            raw.sock.recv_multipart()
+
+            def pages_get(packs: bool, tokens: int = tokens) -> None:
+                conn.packs = packs
+                client.get("packed", tokens, format="pages")
+
+            def raw_get(key: bytes = key) -> None:
+                raw.sock.send_multipart([b"G", key])
+                raw.sock.recv_multipart(copy=False)
+
+            for packs in (True, False):
+                got = (pages_get(packs), client.get("packed", tokens, format="pages"))[1]
+                assert np.array_equal(got[0], fp16[0]) and np.array_equal(got[1], fp16[1])
+            res = measure({"packed": lambda: pages_get(True), "per page": lambda: pages_get(False),
+                           "kvd fp16": lambda tokens=tokens: client.get("packed", tokens), "raw fp16": raw_get},
+                          1, budget)
+            entries = PACKED_LAYERS * -(-tokens // 64)
+            rows.append((tokens, entries, k.nbytes * 2, res))
+        client.close()
+    finally:
+        for pp, pr in ((pipe, proc), (raw_pipe, raw_proc)):
+            pp.send("stop")
+            pr.join(5)
+            if pr.is_alive():
+                pr.kill()
+    print(f"\nget(format='pages') of a whole {PACKED_LAYERS}-layer sequence (8 KV heads x 128) at q4, one at a "
+          "time (median ms; GB/s of fp16-equivalent)")
+    cols = ("packed", "per page", "kvd fp16", "raw fp16")
+    print("| tokens | entries | fp16 MiB | " + " | ".join(f"{c} ms" for c in cols) + " | "
+          + " | ".join(f"{c} GB/s" for c in cols) + " | packed / per page | packed / kvd fp16 | packed / raw |")
+    print("|---" * (3 + 2 * len(cols) + 3) + "|")
+    for tokens, entries, nbytes, res in rows:
+        gb = {name: nbytes / t / 1e9 for name, t in res.items()}
+        ms = " | ".join(f"{res[c] * 1e3:.1f}" for c in cols)
+        print(f"| {tokens} | {entries} | {nbytes >> 20} | {ms} | "
+              + " | ".join(f"{gb[c]:.2f}" for c in cols) + f" | {gb['packed'] / gb['per page']:.2f}x "
+              f"| {gb['packed'] / gb['kvd fp16']:.2f}x | {gb['packed'] / gb['raw fp16']:.2f}x |")
     return 0
 
 

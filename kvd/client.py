@@ -27,7 +27,8 @@ never retried silently (set ``offset`` to make a resend safe).
 *Zero copy.* Arrays (numpy, buffer protocol, DLPack such as CPU torch tensors) are sent from their own memory
 (frames of 64 KiB and more are not copied: do not modify an array until its call returned or its Pending
 completed). fp16 ``get`` results are read-only numpy views of the received frames; ``format="pages"`` results
-are decoded on the client (:func:`kvd.pages.assemble`) into new arrays.
+are decoded on the client (:func:`kvd.pages.assemble`) into new arrays. Pages travel packed, a few frames per
+reply, from every shard whose ``hello`` reports protocol 1.1 or later, and one frame per page otherwise.
 
 Neither client is thread-safe: use one per thread (or per event loop).
 """
