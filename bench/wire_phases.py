@@ -23,6 +23,7 @@ methods of kvd.client.Client and kvd.server.ShardServer, so it moves with them):
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -91,11 +92,13 @@ def main() -> int:
         client.append(wire.NS, "read", k, v)
         time.sleep(1.0)  # the idle server compacts the read sequence to the level in force
 
+        writes = itertools.count()
+
         def call() -> None:
             if args.op == "get":
                 client.get(wire.NS, "read", format=args.format)
-            else:
-                client.append(wire.NS, "write", k, v)
+            else:  # over 32 sequences, so that LRU eviction keeps a long run of large appends within the store
+                client.append(wire.NS, f"write{next(writes) % 32}", k, v)
 
         for _ in range(min(500, n)):
             call()
