@@ -1,5 +1,5 @@
 """Client-side pieces that need no network: CURVE key files, the topology a client routes over, how appends are
-split to fit the limits, and cluster stats."""
+split to fit the limits, what a server's protocol minor lets the client send, and cluster stats."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from kvd import protocol as p
 from kvd.client import _append_chunks, aggregate_stats
+from kvd.client_core import _check_hello, _Conn, _on_wire
 from kvd.errors import ConfigError, InvalidArgument, ShardUnavailable
 from kvd.routing import Topology, owner
 from kvd.server import CurveConfig, keygen
@@ -80,6 +81,22 @@ def test_appends_over_the_frame_limit_are_split_along_tokens() -> None:
     assert np.array_equal(np.concatenate([c[1] for c in chunks], axis=1), values)
     assert all(np.shares_memory(c[0], keys) for c in chunks)  # views, not copies
     assert _append_chunks(keys, values, p.Limits())[0][0] is keys
+
+
+@pytest.mark.parametrize("minor", [0, 1, 7])
+def test_pages_gets_ask_for_packed_pages_only_from_a_server_of_protocol_1_1_or_later(minor: int) -> None:
+    conn = _Conn("tcp://127.0.0.1:1", None, None)
+    hello = p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,
+                                    shard_id="s", page_tokens=64, protocol_minor=minor)
+    _check_hello(conn, hello, "s")
+    pages = p.GetRequest(request_id=2, namespace="m", seq_id=1, format="pages")
+    sent = _on_wire(conn, pages)
+    assert sent.packed is (minor >= 1) and not pages.packed  # the caller's request is not changed
+    assert (sent.request_id, sent.namespace, sent.seq_id, sent.format) == (2, "m", 1, "pages")
+    fp16 = p.GetRequest(request_id=3, namespace="m", seq_id=1)
+    assert _on_wire(conn, fp16) is fp16  # only pages gets are packed
+    wire = p.encode_request(sent)
+    assert (b"packed" in bytes(wire[0])) is (minor >= 1)  # a 1.0 server never sees the key
 
 
 def test_aggregate_stats_of_no_shards() -> None:
