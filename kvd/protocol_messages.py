@@ -10,7 +10,7 @@ the public module, which re-exports them all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
@@ -23,7 +23,6 @@ from kvd.protocol_schema import (
     DTYPES,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_INDEX,
-    MAX_POSITION,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     Check,
@@ -53,8 +52,7 @@ from kvd.protocol_schema import (
     check_tensors,
     check_text_list,
     int_in,
-    plain_int,
-    show,
+    pages_from_wire,
     split_packed,
     tensor_frame,
     tensors_from_wire,
@@ -443,45 +441,7 @@ class GetPagesReply(_Message):
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        listed = check_array("entries", header.get("entries"), ProtocolError)
-        packed = header.get("packed")
-        if packed is not None and check_bool("packed", packed, ProtocolError):
-            if len(listed) > limits.max_pages:
-                raise ProtocolError(f"entries lists {len(listed)} pages, more than max_pages {limits.max_pages}")
-            pages = split_packed(frames, 2 * len(listed))
-            return {"entries": cls._entries(listed, pages), "packed": tuple(frames)}
-        if len(listed) > limits.max_pages or len(frames) != 2 * len(listed):
-            raise ProtocolError(
-                f"entries lists {len(listed)} pages but {len(frames)} page frames follow "
-                f"(2 per entry, at most {limits.max_pages} entries)"
-            )
-        return {"entries": cls._entries(listed, frames)}
-
-    @staticmethod
-    def _entries(listed: list[Any], pages: Sequence[Frame]) -> tuple[PageEntry, ...]:
-        """``(layer, token0, key page, value page)`` from the header's pairs and the pages in order."""
-        entries = []
-        for i, pair in enumerate(listed):
-            if (
-                type(pair) is list
-                and len(pair) == 2
-                and plain_int(pair[0], MAX_INDEX)
-                and plain_int(pair[1], MAX_POSITION)
-            ):  # fast path; the checks below name what is wrong
-                entries.append((pair[0], pair[1], pages[2 * i], pages[2 * i + 1]))
-                continue
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise ProtocolError(f"entries[{i}] must be [layer, token0], got {show(pair)}")
-            layer = check_index(f"entries[{i}].layer", pair[0], ProtocolError)
-            entries.append(
-                (
-                    layer,
-                    check_position(f"entries[{i}].token0", pair[1], ProtocolError),
-                    pages[2 * i],
-                    pages[2 * i + 1],
-                )
-            )
-        return tuple(entries)
+        return pages_from_wire(header, frames, limits)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -445,6 +445,44 @@ def split_packed(frames: Sequence[Frame], n_pages: int) -> list[memoryview]:
     return out
 
 
+def pages_from_wire(header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+    """A pages reply's ``entries`` (and ``packed``, its frames, when the header says so) from the header and the
+    frames after it: two frames per entry, or the pages split out of packed frames (:func:`split_packed`)."""
+    listed = check_array("entries", header.get("entries"), ProtocolError)
+    packed = header.get("packed")
+    if packed is not None and check_bool("packed", packed, ProtocolError):
+        if len(listed) > limits.max_pages:
+            raise ProtocolError(f"entries lists {len(listed)} pages, more than max_pages {limits.max_pages}")
+        return {"entries": _page_entries(listed, split_packed(frames, 2 * len(listed))), "packed": tuple(frames)}
+    if len(listed) > limits.max_pages or len(frames) != 2 * len(listed):
+        raise ProtocolError(
+            f"entries lists {len(listed)} pages but {len(frames)} page frames follow "
+            f"(2 per entry, at most {limits.max_pages} entries)"
+        )
+    return {"entries": _page_entries(listed, frames)}
+
+
+def _page_entries(listed: Sequence[Any], pages: Sequence[Frame]) -> tuple[PageEntry, ...]:
+    """``(layer, token0, key page, value page)`` from the header's pairs and the pages in order."""
+    entries = []
+    for i, pair in enumerate(listed):
+        if (
+            type(pair) is list
+            and len(pair) == 2
+            and plain_int(pair[0], MAX_INDEX)
+            and plain_int(pair[1], MAX_POSITION)
+        ):  # fast path; the checks below name what is wrong
+            entries.append((pair[0], pair[1], pages[2 * i], pages[2 * i + 1]))
+            continue
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ProtocolError(f"entries[{i}] must be [layer, token0], got {show(pair)}")
+        layer = check_index(f"entries[{i}].layer", pair[0], ProtocolError)
+        entries.append(
+            (layer, check_position(f"entries[{i}].token0", pair[1], ProtocolError), pages[2 * i], pages[2 * i + 1])
+        )
+    return tuple(entries)
+
+
 # ---- size limits ---------------------------------------------------------------------------------------------
 
 

@@ -562,8 +562,6 @@ class Store(Compaction):
             self._remove(key, pool=True)
             return True
 
-    # ------------------------------------------------------------------------------------------ compaction
-
     # ------------------------------------------------------------------------------------------ introspection
 
     def explain(self, namespace: str, seq_id: SeqId, layer: int, token: int) -> dict[str, Any]:
