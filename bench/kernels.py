@@ -8,14 +8,18 @@ no hint); fp8 uses rows for both roles;
 fp16 is the checked copy f16_copy_rows. Every output buffer is allocated once and reused; GB/s counts the
 float16 side (input of an encode, output of a decode). The baseline is one numpy.copyto of the same bytes into
 a reused buffer, timed in the same rounds as each row's kernels (round = copyto, encode, decode), so the ratio
-compares runs made under the same load. Prints medians of --repeats rounds and the ratios.
+compares runs made under the same load. Prints medians of --repeats rounds and the ratios. Buffers start where
+numpy puts them (16 bytes past a cache line), like a store's records and the arrays clients send; --align 64
+starts every buffer (the baseline's too) on a cache line, to see what the placement costs the kernels.
 
     .venv/bin/python bench/kernels.py [--mib 64] [--repeats 7] [--backends avx512,scalar] [--levels q8,q4]
+                                      [--align 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import time
@@ -48,6 +52,24 @@ def interleaved_medians(fns: list[Callable[[], None]], repeats: int) -> list[flo
     return [statistics.median(t) for t in times]
 
 
+ALIGN = [0]  # set by --align: every buffer's start (0: where numpy puts it, 16 bytes past a cache line)
+
+
+def empty(shape: tuple[int, ...], dtype: object) -> np.ndarray:
+    """np.empty, starting on an ``ALIGN[0]``-byte boundary when that is set."""
+    dt = np.dtype(dtype)  # type: ignore[call-overload]
+    if not ALIGN[0]:
+        return np.empty(shape, dt)
+    n = math.prod(shape) * dt.itemsize
+    raw = np.empty(n + ALIGN[0], np.uint8)
+    skip = -raw.ctypes.data % ALIGN[0]
+    return raw[skip : skip + n].view(dt).reshape(shape)
+
+
+def empty_like(a: np.ndarray) -> np.ndarray:
+    return empty(a.shape, a.dtype)
+
+
 def per_page(a: np.ndarray) -> list[np.ndarray]:
     """One view per page, made once: a store holds its pages as separate arrays, so the timed loop should
     not pay numpy's view creation (~0.2 us per array) on top of the kernel."""
@@ -59,14 +81,14 @@ def level_ops(impl, level: str, keys: np.ndarray, values: np.ndarray, args: argp
     pages = keys.shape[0]
     kx = keys.reshape(pages, T, H * D)  # columns view of each key page
     vx = values.reshape(pages, T * H, D)  # rows view of each value page
-    kout = np.empty_like(kx)
-    vout = np.empty_like(vx)
+    kout = empty_like(kx)
+    vout = empty_like(vx)
     # the codec's groups for this level (kvd.pages.GROUPS) unless overridden on the command line
     gr = args.row_group or GROUPS.get(level, 32)
     gc = args.col_group or GROUPS.get(level, 32)
 
     if level == "fp16":
-        kdst, vdst = np.empty_like(kx), np.empty_like(vx)
+        kdst, vdst = empty_like(kx), empty_like(vx)
 
         kx, vx, kdst, vdst, kout, vout = map(per_page, (kx, vx, kdst, vdst, kout, vout))
 
@@ -83,8 +105,8 @@ def level_ops(impl, level: str, keys: np.ndarray, values: np.ndarray, args: argp
         return enc, dec
 
     if level == "q8":
-        kc, ks = np.empty(kx.shape, np.int8), np.empty((pages, -(-T // gc), H * D), np.float16)
-        vc, vs = np.empty(vx.shape, np.int8), np.empty((pages, T * H, -(-D // gr)), np.float16)
+        kc, ks = empty(kx.shape, np.int8), empty((pages, -(-T // gc), H * D), np.float16)
+        vc, vs = empty(vx.shape, np.int8), empty((pages, T * H, -(-D // gr)), np.float16)
         kx, vx, kc, ks, vc, vs, kout, vout = map(per_page, (kx, vx, kc, ks, vc, vs, kout, vout))
 
         def enc():
@@ -104,8 +126,8 @@ def level_ops(impl, level: str, keys: np.ndarray, values: np.ndarray, args: argp
         g = args.fp8_group or GROUPS[level]
         kx2 = keys.reshape(pages, T * H, D)
         kout2 = kout.reshape(pages, T * H, D)
-        kc, ks = np.empty(kx2.shape, np.uint8), np.empty((pages, T * H, -(-D // g)), np.float16)
-        vc, vs = np.empty(vx.shape, np.uint8), np.empty((pages, T * H, -(-D // g)), np.float16)
+        kc, ks = empty(kx2.shape, np.uint8), empty((pages, T * H, -(-D // g)), np.float16)
+        vc, vs = empty(vx.shape, np.uint8), empty((pages, T * H, -(-D // g)), np.float16)
         kx2, vx, kc, ks, vc, vs, kout2, vout = map(per_page, (kx2, vx, kc, ks, vc, vs, kout2, vout))
 
         def enc():
@@ -123,14 +145,14 @@ def level_ops(impl, level: str, keys: np.ndarray, values: np.ndarray, args: argp
     assert level == "q4"
     ngc, ngr = -(-T // gc), -(-D // gr)
     kp, ks, km = (
-        np.empty((pages, T, H * D // 2), np.uint8),
-        np.empty((pages, ngc, H * D), np.float16),
-        np.empty((pages, ngc, H * D), np.float16),
+        empty((pages, T, H * D // 2), np.uint8),
+        empty((pages, ngc, H * D), np.float16),
+        empty((pages, ngc, H * D), np.float16),
     )
     vp, vs, vm = (
-        np.empty((pages, T * H, D // 2), np.uint8),
-        np.empty((pages, T * H, ngr), np.float16),
-        np.empty((pages, T * H, ngr), np.float16),
+        empty((pages, T * H, D // 2), np.uint8),
+        empty((pages, T * H, ngr), np.float16),
+        empty((pages, T * H, ngr), np.float16),
     )
     kx, vx, kp, ks, km, vp, vs, vm, kout, vout = map(per_page, (kx, vx, kp, ks, km, vp, vs, vm, kout, vout))
 
@@ -173,20 +195,28 @@ def main() -> None:
         "--no-prefetch", action="store_true", help="q4: keys first, values without the keys as prefetch hint"
     )
     parser.add_argument("--reference-mib", type=int, default=8, help="the numpy reference runs on fewer MiB")
+    parser.add_argument(
+        "--align", type=int, default=0, help="start every buffer on this byte boundary (default 0: numpy's)"
+    )
     args = parser.parse_args()
+    if args.align < 0 or args.align & (args.align - 1):
+        parser.error(f"--align must be 0 or a power of two, got {args.align}")
+    ALIGN[0] = args.align
 
     page_bytes = T * H * D * 2
     rng = np.random.default_rng(0)
 
     def make(mib: int) -> tuple[np.ndarray, np.ndarray]:
         pages = max(1, (mib << 20) // (2 * page_bytes))
-        kv = (rng.standard_normal((2, pages, T, H, D), dtype=np.float32) * 2).astype(np.float16)
+        kv = empty((2, pages, T, H, D), np.float16)
+        kv[...] = rng.standard_normal((2, pages, T, H, D), dtype=np.float32) * 2
         return kv[0], kv[1]
 
     keys, values = make(args.mib)
     nbytes = keys.nbytes + values.nbytes
-    src = np.concatenate([keys.ravel(), values.ravel()])
-    dst = np.empty_like(src)
+    src = empty((keys.size + values.size,), np.float16)
+    src[: keys.size], src[keys.size :] = keys.ravel(), values.ravel()
+    dst = empty_like(src)
 
     def copy() -> None:
         np.copyto(dst, src)
@@ -194,7 +224,8 @@ def main() -> None:
     print(
         f"kvd kernel throughput: {keys.shape[0]} pages of T={T} H={H} D={D} (keys + values = {nbytes >> 20} MiB "
         f"float16), median of {args.repeats} rounds; {platform.machine()}, numpy {np.__version__}, "
-        f"default backend {kernels.BACKEND}"
+        f"default backend {kernels.BACKEND}; buffers "
+        + (f"start on {ALIGN[0]}-byte boundaries" if ALIGN[0] else "where numpy puts them")
     )
     print(
         f"groups: {args.row_group or 'codec'} / {args.col_group or 'codec'} / {args.fp8_group or 'codec'} "
