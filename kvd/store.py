@@ -24,15 +24,20 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   error is that of q4 plus the 8-bit error it already had. Level drops only change new pages.
 * **Accounting.** ``used_bytes`` = every record's length + every hot tail's full size + the pool's free buffers
   + stated metadata charges (:mod:`kvd.store_pool`: per page, per logged row, per sequence and layer, per
-  namespace). An append computes the bytes it will allocate before touching anything; if they do not fit it
-  empties the pool, then evicts least-recently-used whole sequences (``eviction="lru"``, never the sequence
-  being appended to) or refuses with :class:`~kvd.errors.OutOfMemory` (``"none"``, or when the sequence alone
-  cannot fit). The check counts the peak (new buffers are allocated before the ones they replace are freed),
-  so ``used_bytes`` never exceeds ``capacity_bytes``.
+  namespace). An append computes the bytes it will allocate before touching anything. If they do not fit it
+  refuses with :class:`~kvd.errors.OutOfMemory` when no room can be made (``eviction="none"`` and the pool
+  emptied is not enough, or the sequence alone cannot fit); otherwise it builds its pages first, then empties
+  the pool and evicts least-recently-used whole sequences (never the sequence being appended to) until they
+  fit, then commits. The check counts the peak (new buffers are allocated before the ones they replace are
+  freed), so ``used_bytes`` never exceeds ``capacity_bytes``. Building before evicting means bad data evicts
+  nothing without a separate pass over the tokens to find out (that pass doubled the time of a large append
+  to a full store), at a bounded cost: while an evicting append runs, the process holds that append's new
+  pages beyond the capacity (as a Redis command may exceed ``maxmemory`` by its own size).
 * **All or nothing.** An append validates shapes and dtypes, then builds every new buffer (pages it seals, pages
   leaving the window, a new tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
-  tokens that will sit in the hot tail are checked before they are copied. Only then does it commit, with
-  operations that cannot fail. On any error the new buffers go back where they came from.
+  tokens that will sit in the hot tail are checked before they are copied; either way the error names the
+  value as ``keys[layer, token, head, dim]``. Only then does it make room and commit, with operations that
+  cannot fail. On any error the new buffers go back where they came from and nothing was evicted.
 
 Defaults, measured (bench/store.py; module docstring of kvd.pages for the codec):
 ``page_tokens=64`` matches the q8 key group of 64 tokens (8.25 bits per value; with 32 the format costs 8.5
@@ -77,7 +82,6 @@ from kvd.store_seq import (
     SeqId,
     int_arg,
     int_tuple,
-    refuse_nonfinite,
     seq_id_arg,
 )
 
@@ -249,8 +253,8 @@ class Store(Compaction):
         if seq is not None and f and r2 == r0 and out2 <= seq.window_done and fits:
             # The decode step's case: the tokens stay in the hot tail, so nothing is sealed, allocated or leaves
             # the window; what the general path below does then, without its planning.
-            refuse_nonfinite(k16, "keys", n)
-            refuse_nonfinite(v16, "values", n)
+            sp.refuse_nonfinite(k16, "keys", n)
+            sp.refuse_nonfinite(v16, "values", n)
             tail = seq.tail
             assert tail is not None
             np.copyto(tail[0, :, f:f2], k16)
@@ -273,11 +277,11 @@ class Store(Compaction):
         need += ns.tail_bytes + sp.TAIL_META_BYTES if new_tail else 0
         need += ns.seq_meta if seq is None else 0
 
-        def validate() -> None:  # a full pass, only paid when the append has to make room
-            refuse_nonfinite(k16, "keys", n)
-            refuse_nonfinite(v16, "values", n)
+        def validate() -> None:  # a full pass, only paid when the append is refused for want of room
+            sp.refuse_nonfinite(k16, "keys", n)
+            sp.refuse_nonfinite(v16, "values", n)
 
-        self._reserve(need, seq, key, t, validate)
+        evict = self._admit(need, seq, key, t, validate)
 
         # 2. build everything off to the side
         taken = sp.Taken()
@@ -287,8 +291,8 @@ class Store(Compaction):
         keep = min(t, f2)  # the last `keep` input tokens end in the hot tail: checked here, copied below
         try:
             if keep:
-                refuse_nonfinite(k16[:, t - keep :], "keys", n2 - keep)
-                refuse_nonfinite(v16[:, t - keep :], "values", n2 - keep)
+                sp.refuse_nonfinite(k16[:, t - keep :], "keys", n2 - keep)
+                sp.refuse_nonfinite(v16[:, t - keep :], "values", n2 - keep)
             if f:
                 assert tail is not None
                 m = min(t, p - f)  # rows [f, f+m) of the tail are not visible until the length moves
@@ -315,6 +319,8 @@ class Store(Compaction):
                 tail = self._ledger.take_tail(ns.tail_shape, taken)
                 np.copyto(tail[0, :, :f2], k16[:, t - f2 :])
                 np.copyto(tail[1, :, :f2], v16[:, t - f2 :])
+            if evict:  # built and checked: only now may other sequences make way for it
+                self._make_room(need, key)
         except BaseException:
             self._ledger.give_back(taken)
             raise
@@ -393,27 +399,39 @@ class Store(Compaction):
         with self._lock:
             return self._ledger.used
 
-    def _reserve(
+    def _admit(
         self, need: int, seq: Seq | None, key: tuple[str, SeqId], t: int, validate: Callable[[], None]
-    ) -> None:
-        """Make room for ``need`` more bytes or raise OutOfMemory. ``validate`` runs first whenever room has to
-        be made, so bad data is refused before anything (pool, other sequences) is touched."""
+    ) -> bool:
+        """Whether ``need`` more bytes can be had: False if they fit now, True if LRU eviction will make room
+        (:meth:`_make_room`, called once the append is built: its encoding refuses NaN/Inf, so bad data evicts
+        nothing, and nobody pays a separate pass over the tokens first). Raises OutOfMemory when no room can be
+        made; ``validate`` runs before that, so bad data is named as such rather than as too big."""
         cap = self.capacity_bytes
         if self._ledger.used + need <= cap:
-            return
+            return False
+        floor = self._ns_meta + (seq.nbytes if seq is not None else 0)  # what evicting everyone else leaves
+        if self.eviction == "lru" and floor + need <= cap:
+            return True
         validate()
         self._ledger.pool.clear()
         self._prune_log(force=True)
         if self._ledger.used + need <= cap:
+            return False
+        self._refusals += 1
+        why = "eviction is off" if self.eviction == "none" else "the sequence alone does not fit"
+        raise OutOfMemory(
+            f"append of {t} tokens to {key[1]!r} in {key[0]!r} needs {need} bytes; {self._ledger.used} of "
+            f"{cap} bytes are used ({why}); nothing was written"
+        )
+
+    def _make_room(self, need: int, key: tuple[str, SeqId]) -> None:
+        """Free room for ``need`` more bytes: the pool first, then least-recently-used whole sequences, never
+        ``key``'s (:meth:`_admit` has checked that evicting every other sequence is enough)."""
+        cap = self.capacity_bytes
+        if self._ledger.used + need <= cap:
             return
-        floor = self._ns_meta + (seq.nbytes if seq is not None else 0)  # what evicting everyone else leaves
-        if self.eviction == "none" or floor + need > cap:
-            self._refusals += 1
-            why = "eviction is off" if self.eviction == "none" else "the sequence alone does not fit"
-            raise OutOfMemory(
-                f"append of {t} tokens to {key[1]!r} in {key[0]!r} needs {need} bytes; {self._ledger.used} of "
-                f"{cap} bytes are used ({why}); nothing was written"
-            )
+        self._ledger.pool.clear()
+        self._prune_log(force=True)
         # Evicting frees a sequence's buffers at once and its log entries at the next prune (done below).
         while self._ledger.used - self._log.dead * sp.ROW_META_BYTES + need > cap:
             victim = next(k for k in self._seqs if k != key)

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvd import page_batch, pages
 from kvd import store_pool as sp
-from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch, NonFiniteError
+from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch
 
 RAW = "fp16"
 
@@ -85,17 +85,6 @@ def check_kv(ns: Namespace, keys: object, values: object) -> tuple[np.ndarray, n
         raise LayoutMismatch(f"keys {arrays[0].shape} and values {arrays[1].shape} differ in shape")
     return rows_contiguous(pages.as_f16(arrays[0], "keys")), rows_contiguous(pages.as_f16(arrays[1], "values"))
 
-
-def refuse_nonfinite(a: np.ndarray, name: str, t0: int) -> None:
-    """Raise NonFiniteError naming the first NaN/Inf of float16 ``a`` ``[L, T, H, D]`` (tokens offset by t0)."""
-    if page_batch.any_nonfinite(a) is False:  # the usual answer, in one C pass instead of four numpy ones
-        return
-    bad = (a.view(np.uint16) & 0x7FFF) >= 0x7C00
-    if bad.any():
-        i, t, h, d = (int(x) for x in np.argwhere(bad)[0])
-        raise NonFiniteError(
-            f"{name}[{i}, {t0 + t}, {h}, {d}] = {float(a[i, t, h, d])} is not finite; nothing was stored"
-        )
 
 
 class RowPlan:

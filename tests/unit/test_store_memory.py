@@ -11,7 +11,7 @@ import pytest
 
 from kvd import kernels, page_batch, pages
 from kvd import store_pool as sp
-from kvd.errors import OutOfMemory, UnknownSequence
+from kvd.errors import NonFiniteError, OutOfMemory, UnknownSequence
 from kvd.store import Store
 
 NS = "m"
@@ -199,6 +199,73 @@ def test_eviction_none_refuses_while_get_and_drop_keep_working() -> None:
     np.testing.assert_array_equal(s.get(NS, "a")[1].view(np.uint16), a[1].view(np.uint16))
     assert s.drop(NS, "b") is True
     assert s.append(NS, "c", *kv(100, 3)) == 100
+
+
+@pytest.mark.parametrize("where", ["first token", "a sealed page", "the last token (hot tail)"])
+def test_a_bad_append_to_a_full_store_evicts_nothing(where: str) -> None:
+    """An append that needs eviction is built (and its NaN found by the encoding pass) before anything is
+    evicted: bad data costs nobody their sequence."""
+    one = seq_bytes(256, "fp16")
+    cap = NS_META + 3 * one + one // 2
+    s = store(cap)
+    data = {sid: kv(256, seed=i) for i, sid in enumerate("abc")}
+    for sid in "abc":
+        s.append(NS, sid, *data[sid])
+    before = s.stats()
+    k, v = kv(300, seed=7)
+    t = {"first token": 0, "a sealed page": 130, "the last token (hot tail)": 299}[where]
+    v[1, t, 2, 5] = np.nan
+    with pytest.raises(NonFiniteError, match=rf"values\[1, {t}, 2, 5\]"):
+        s.append(NS, "d", k, v)
+    after = s.stats()
+    for key in ("evictions", "sequences", "tokens", "used_bytes", "pool_bytes", "refusals"):
+        assert after[key] == before[key], key
+    for sid in "abc":
+        np.testing.assert_array_equal(s.get(NS, sid)[1].view(np.uint16), data[sid][1].view(np.uint16))
+    v[1, t, 2, 5] = 0.5
+    assert s.append(NS, "d", k, v) == 300  # the same append, now good, evicts the least recently used
+    st = s.stats()
+    assert st["evictions"] == 1 and st["used_bytes"] <= cap
+    with pytest.raises(UnknownSequence):
+        s.length(NS, "a")
+    np.testing.assert_array_equal(s.get(NS, "d")[1].view(np.uint16), v.view(np.uint16))
+
+
+def test_a_bad_append_refused_for_room_is_named_as_bad_data() -> None:
+    cap = NS_META + 2 * seq_bytes(256, "fp16") + 1000
+    s = store(cap, eviction="none")
+    s.append(NS, "a", *kv(256, 1))
+    s.append(NS, "b", *kv(256, 2))
+    k, v = kv(100, 3)
+    k[0, 99, 0, 0] = np.inf
+    with pytest.raises(NonFiniteError, match=r"keys\[0, 99, 0, 0\]"):
+        s.append(NS, "c", k, v)
+    assert s.stats()["refusals"] == 0  # not counted as a refusal for want of room
+
+
+@pytest.mark.timeout(60)
+def test_an_evicting_append_holds_at_most_its_own_new_pages_beyond_capacity() -> None:
+    """The stated bound of the build-then-evict order: while an append that evicts runs, the process holds at
+    most capacity plus that append's new pages (and their objects)."""
+    one = seq_bytes(640, "fp16")
+    cap = NS_META + 4 * one
+    inputs = {i: kv(640, seed=i) for i in range(8)}
+    tracemalloc.start()
+    try:
+        base = traced()
+        s = store(cap)
+        for i in range(4):
+            s.append(NS, i, *inputs[i])
+        for i in range(4, 8):
+            k, v = inputs[i]
+            tracemalloc.reset_peak()
+            s.append(NS, i, k, v)
+            peak = tracemalloc.get_traced_memory()[1] - base
+            assert s.stats()["evictions"] == i - 3
+            assert peak <= 1.03 * (cap + one), (peak, cap, one)
+            assert traced() - base <= 1.03 * cap
+    finally:
+        tracemalloc.stop()
 
 
 # ------------------------------------------------------------------------------------------ compaction
