@@ -2,6 +2,7 @@
 
     python bench/store.py            # the full tables (about 2 minutes with compiled kernels)
     python bench/store.py --quick    # a smoke run with small sizes (well under a minute)
+    python bench/store.py --only full   # only the appends to a full store
 
 1. Append and get throughput in GB/s of fp16 bytes (keys + values), medians over repetitions, per level, for
    the sample layout (30 layers, 3 KV heads, head_dim 64) and a 7B-class layout (32 layers, 8 KV heads,
@@ -9,7 +10,8 @@
    array (what get() has to do: it returns new arrays) in the same run; get_into decodes into reused buffers,
    the fair comparison with copyto. Appends come in 512-token chunks into a store in steady state (the previous
    sequence is dropped before the next is timed).
-   Then decode-step appends: one token of every layer at a time, median and mean us per append.
+   Then appends to a full store (each one evicts, as in a serving cache's steady state), and decode-step
+   appends: one token of every layer at a time, median and mean us per append.
 2. Tokens held per GiB at each level relative to fp16, for 4,096-token sequences with the default settings
    (sink page raw, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
    headers included on both sides), and against the raw fp16 bytes of the tokens.
@@ -121,6 +123,39 @@ def throughput(quick: bool) -> list[list[str]]:
                 f"{c_s / i_s:.2f}x", f"{f_s / g_s:.2f}x",
             ])  # fmt: skip
             del s
+    return rows
+
+
+def full_store_appends(quick: bool) -> list[list[str]]:
+    """Per level, fp16 and q4: 8 MiB appends (64 tokens of every layer of the 7B-class layout) to a 256 MiB store
+    kept full, over 32 sequences in rotation, so that every append evicts the least recently used: a cache's
+    steady state. Median us per append and GB/s, next to numpy.copyto of the same bytes in the same rounds."""
+    rows = []
+    layout, tokens, rotation = LAYOUTS["7B-class (32x8x128)"], 64, 32
+    n = 40 if quick else 200
+    for level in ("fp16", "q4"):
+        s = make_store(level, layout, capacity=256 << 20)
+        inputs = [random_kv(layout, tokens, seed) for seed in range(4)]
+        k, v = inputs[0]
+        gb = 2 * k.nbytes / 1e9
+        dk, dv = np.empty_like(k), np.empty_like(v)
+        i = 0
+        while s.stats()["evictions"] < rotation:  # fill: from here on, appends evict
+            s.append("m", i % rotation, *inputs[i % 4])
+            i += 1
+        app, copy = [], []
+        ev0 = s.stats()["evictions"]
+        for _ in range(n):
+            kk, vv = inputs[i % 4]
+            app.append(median_time(functools.partial(s.append, "m", i % rotation, kk, vv), 1))
+            copy.append(median_time(functools.partial(_copyto, dk, dv, kk, vv), 1))
+            i += 1
+        a_s, c_s = statistics.median(app), statistics.median(copy)
+        st = s.stats()
+        assert st["used_bytes"] <= st["capacity_bytes"]
+        rows.append([level, f"{a_s * 1e6:.0f}", f"{gb / a_s:.2f}", f"{gb / c_s:.2f}", f"{c_s / a_s:.2f}x",
+                     f"{(st['evictions'] - ev0) / n:.2f}"])  # fmt: skip
+        del s
     return rows
 
 
@@ -264,6 +299,12 @@ def table(header: list[str], rows: list[list[str]]) -> None:
     print()
 
 
+def full_table(quick: bool) -> None:
+    print("## Appends to a full store (8 MiB each, 7B-class, 256 MiB store, LRU eviction; medians)\n")
+    table(["level", "us per append", "GB/s", "copyto GB/s", "append / copyto", "evictions per append"],
+          full_store_appends(quick))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
@@ -275,6 +316,7 @@ def main() -> None:
         "--one-thread", action="store_true",
         help="never split a large append or get over the codec's second thread (the default splits from 4 MiB)",
     )  # fmt: skip
+    ap.add_argument("--only", choices=("full",), help="only one table: full = appends to a full store")
     args = ap.parse_args()
     if args.one_thread:
         page_batch.PARALLEL_MIN_BYTES = 1 << 62
@@ -287,6 +329,9 @@ def main() -> None:
         "page_tokens 64, sink_tokens 4, window_tokens 0 (defaults)\n"
     )
 
+    if args.only == "full":
+        full_table(args.quick)
+        return
     print("## Throughput (GB/s of fp16 keys + values; medians)\n")
     table(
         [
@@ -306,6 +351,7 @@ def main() -> None:
         throughput(args.quick),
     )
 
+    full_table(args.quick)
     print("## Decode-step appends (one token, every layer; us per append)\n")
     table(["layout", "level", "median", "mean"], decode_steps(args.quick))
 
