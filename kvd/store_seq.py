@@ -86,7 +86,6 @@ def check_kv(ns: Namespace, keys: object, values: object) -> tuple[np.ndarray, n
     return rows_contiguous(pages.as_f16(arrays[0], "keys")), rows_contiguous(pages.as_f16(arrays[1], "values"))
 
 
-
 class RowPlan:
     """How one row of pages (every layer) is sealed: per layer ``(format, record bytes, key page bytes, value
     page bytes, raw heads, trailer)``; ``rec_bytes`` the records' total, ``need`` that plus their metadata
