@@ -146,13 +146,20 @@ def test_the_pool_is_bounded_counted_and_emptied_before_anything_is_evicted() ->
 # ------------------------------------------------------------------------------------------ full stores
 
 
-def test_lru_eviction_takes_the_least_recently_used_and_counts() -> None:
+def nearly_full() -> tuple[Store, int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """A store with room for 3.5 sequences of 256 tokens holding a, b and c (the next one evicts), its capacity,
+    and the tokens of a to e."""
     one = seq_bytes(256, "fp16")
     cap = NS_META + 3 * one + one // 2
     s = store(cap)
     data = {sid: kv(256, seed=i) for i, sid in enumerate("abcde")}
     for sid in "abc":
         s.append(NS, sid, *data[sid])
+    return s, cap, data
+
+
+def test_lru_eviction_takes_the_least_recently_used_and_counts() -> None:
+    s, cap, data = nearly_full()
     s.get(NS, "a")  # a is now the most recently used: b is the oldest
     s.append(NS, "d", *data["d"])
     assert s.stats()["evictions"] == 1 and s.stats()["evicted_tokens"] == 256
@@ -205,12 +212,7 @@ def test_eviction_none_refuses_while_get_and_drop_keep_working() -> None:
 def test_a_bad_append_to_a_full_store_evicts_nothing(where: str) -> None:
     """An append that needs eviction is built (and its NaN found by the encoding pass) before anything is
     evicted: bad data costs nobody their sequence."""
-    one = seq_bytes(256, "fp16")
-    cap = NS_META + 3 * one + one // 2
-    s = store(cap)
-    data = {sid: kv(256, seed=i) for i, sid in enumerate("abc")}
-    for sid in "abc":
-        s.append(NS, sid, *data[sid])
+    s, cap, data = nearly_full()
     before = s.stats()
     k, v = kv(300, seed=7)
     t = {"first token": 0, "a sealed page": 130, "the last token (hot tail)": 299}[where]
