@@ -49,6 +49,7 @@ COMPILED = (
     "server",
     "store",
     "store_compact",
+    "store_evict",
     "store_pool",
     "store_seq",
 )

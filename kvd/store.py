@@ -28,11 +28,10 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   refuses with :class:`~kvd.errors.OutOfMemory` when no room can be made (``eviction="none"`` and the pool
   emptied is not enough, or the sequence alone cannot fit); otherwise it builds its pages first, then empties
   the pool and evicts least-recently-used whole sequences (never the sequence being appended to) until they
-  fit, then commits. The check counts the peak (new buffers are allocated before the ones they replace are
-  freed), so ``used_bytes`` never exceeds ``capacity_bytes``. Building before evicting means bad data evicts
-  nothing without a separate pass over the tokens to find out (that pass doubled the time of a large append
-  to a full store), at a bounded cost: while an evicting append runs, the process holds that append's new
-  pages beyond the capacity (as a Redis command may exceed ``maxmemory`` by its own size).
+  fit, then commits (:mod:`kvd.store_evict`). The check counts the peak (new buffers are allocated before the
+  ones they replace are freed), so ``used_bytes`` never exceeds ``capacity_bytes``; while an evicting append
+  runs, the process holds that append's new pages beyond the capacity (as a Redis command may exceed
+  ``maxmemory`` by its own size), the price of not reading the tokens once more to refuse NaN/Inf first.
 * **All or nothing.** An append validates shapes and dtypes, then builds every new buffer (pages it seals, pages
   leaving the window, a new tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
   tokens that will sit in the hot tail are checked before they are copied; either way the error names the
@@ -57,7 +56,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,12 +67,12 @@ from kvd.errors import (
     ConfigError,
     InvalidArgument,
     LayoutMismatch,
-    OutOfMemory,
     UnknownNamespace,
     UnknownSequence,
 )
 from kvd.policy import Level
 from kvd.store_compact import Compaction
+from kvd.store_evict import Eviction
 from kvd.store_seq import (
     PACK_FRAME_BYTES,
     RAW,
@@ -95,7 +94,7 @@ EIGHT_BIT_FORMATS = ("q8", "fp8_e4m3", "fp8_e5m2")
 MAX_EPOCH = 2**63 - 1
 
 
-class Store(Compaction):
+class Store(Compaction, Eviction):
     """One shard's paged, adaptively quantized KV memory. See the module docstring for the model.
 
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
@@ -398,83 +397,6 @@ class Store(Compaction):
         """Bytes accounted: records + hot tails + pooled free buffers + metadata charges."""
         with self._lock:
             return self._ledger.used
-
-    def _admit(
-        self, need: int, seq: Seq | None, key: tuple[str, SeqId], t: int, validate: Callable[[], None]
-    ) -> bool:
-        """Whether ``need`` more bytes can be had: False if they fit now, True if LRU eviction will make room
-        (:meth:`_make_room`, called once the append is built: its encoding refuses NaN/Inf, so bad data evicts
-        nothing, and nobody pays a separate pass over the tokens first). Raises OutOfMemory when no room can be
-        made; ``validate`` runs before that, so bad data is named as such rather than as too big."""
-        cap = self.capacity_bytes
-        if self._ledger.used + need <= cap:
-            return False
-        floor = self._ns_meta + (seq.nbytes if seq is not None else 0)  # what evicting everyone else leaves
-        if self.eviction == "lru" and floor + need <= cap:
-            return True
-        validate()
-        self._ledger.pool.clear()
-        self._prune_log(force=True)
-        if self._ledger.used + need <= cap:
-            return False
-        self._refusals += 1
-        why = "eviction is off" if self.eviction == "none" else "the sequence alone does not fit"
-        raise OutOfMemory(
-            f"append of {t} tokens to {key[1]!r} in {key[0]!r} needs {need} bytes; {self._ledger.used} of "
-            f"{cap} bytes are used ({why}); nothing was written"
-        )
-
-    def _make_room(self, need: int, key: tuple[str, SeqId]) -> None:
-        """Free room for ``need`` more bytes: the pool first, then least-recently-used whole sequences, never
-        ``key``'s (:meth:`_admit` has checked that evicting every other sequence is enough)."""
-        cap = self.capacity_bytes
-        if self._ledger.used + need <= cap:
-            return
-        self._ledger.pool.clear()
-        self._prune_log(force=True)
-        # Evicting frees a sequence's buffers at once and its log entries at the next prune (done below).
-        while self._ledger.used - self._log.dead * sp.ROW_META_BYTES + need > cap:
-            victim = next(k for k in self._seqs if k != key)
-            self._evictions += 1
-            self._evicted_tokens += self._seqs[victim].length
-            self._remove(victim, pool=False)
-        self._prune_log(force=True)
-
-    def _remove(self, key: tuple[str, SeqId], *, pool: bool) -> None:
-        seq = self._seqs.pop(key)
-        ns = seq.ns
-        # one pass tallying (format code -> pages, bytes), then one ledger update: the per-page cost of a drop
-        off, lo, hi = sp.CUR_FMT_FROM_END, self._sink_rows, seq.window_done
-        tally: dict[int, list[int]] = {}
-        backlog: dict[int, int] = {}
-        give = self._ledger.pool.give_record if pool else None
-        for i, recs in enumerate(seq.pages):
-            eligible = not ns.raw_layer[i]
-            for r, rec in enumerate(recs):
-                code, size = rec[-off], len(rec)
-                t = tally.get(code)
-                if t is None:
-                    t = tally[code] = [0, 0]
-                t[0] += 1
-                t[1] += size
-                if eligible and lo <= r < hi:
-                    backlog[code] = backlog.get(code, 0) + size
-                if give is not None:
-                    give(rec)
-        for code, size in backlog.items():
-            ns.backlog[sp.FMT_NAME[code]] -= size
-        self._ledger.remove_pages({sp.FMT_NAME[c]: (n, b) for c, (n, b) in tally.items()})
-        if seq.tail is not None:
-            self._ledger.remove_tail(seq.tail, pool=pool)
-        self._ledger.meta_bytes -= ns.seq_meta
-        self._log.forget(seq)  # its log entries stay charged until pruned
-        self._tokens -= seq.length
-        ns.sequences -= 1
-        seq.pages, seq.tail, seq.alive = [], None, False
-        self._prune_log(force=False)
-
-    def _prune_log(self, *, force: bool) -> None:
-        self._ledger.meta_bytes -= self._log.prune(force=force) * sp.ROW_META_BYTES
 
     # ------------------------------------------------------------------------------------------ read
 

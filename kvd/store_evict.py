@@ -1,0 +1,116 @@
+"""Making room in a store: admitting an append against the capacity, LRU eviction, and removing a sequence.
+
+Theory of operation: an append computes the bytes it will allocate (its peak) before touching anything, and asks
+:meth:`Eviction._admit` whether they fit. If not, and room can be made (LRU eviction on, and evicting every
+other sequence would be enough), the append is built first and :meth:`Eviction._make_room` then empties the
+pool and evicts least-recently-used whole sequences; building first means bad data (NaN/Inf, refused by the
+encoding pass) evicts nothing, with no separate pass over the tokens. When no room can be made the append is
+refused with OutOfMemory, after checking its data so that bad data is named as such. :meth:`Eviction._remove`
+takes a sequence out (drop and eviction) in one pass over its pages.
+
+This is a mixin of :class:`kvd.store.Store`, split out because it is a job of its own; it relies on the store's
+lock (held by the caller), ledger, log and sequence table. Pure core: no Ray, no ZeroMQ.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from kvd import store_pool as sp
+from kvd import store_seq
+from kvd.errors import OutOfMemory
+from kvd.store_seq import Seq, SeqId
+
+__all__ = ["Eviction"]
+
+
+class Eviction:
+    capacity_bytes: int
+    eviction: str
+    _ledger: sp.Ledger
+    _log: store_seq.CompactionLog
+    _seqs: OrderedDict[tuple[str, SeqId], Seq]
+    _ns_meta: int
+    _sink_rows: int
+    _tokens: int
+    _evictions: int
+    _evicted_tokens: int
+    _refusals: int
+
+    def _admit(
+        self, need: int, seq: Seq | None, key: tuple[str, SeqId], t: int, validate: Callable[[], None]
+    ) -> bool:
+        """Whether ``need`` more bytes can be had: False if they fit now, True if LRU eviction will make room
+        (:meth:`_make_room`, called once the append is built: its encoding refuses NaN/Inf, so bad data evicts
+        nothing, and nobody pays a separate pass over the tokens first). Raises OutOfMemory when no room can be
+        made; ``validate`` runs before that, so bad data is named as such rather than as too big."""
+        cap = self.capacity_bytes
+        if self._ledger.used + need <= cap:
+            return False
+        floor = self._ns_meta + (seq.nbytes if seq is not None else 0)  # what evicting everyone else leaves
+        if self.eviction == "lru" and floor + need <= cap:
+            return True
+        validate()
+        self._ledger.pool.clear()
+        self._prune_log(force=True)
+        if self._ledger.used + need <= cap:
+            return False
+        self._refusals += 1
+        why = "eviction is off" if self.eviction == "none" else "the sequence alone does not fit"
+        raise OutOfMemory(
+            f"append of {t} tokens to {key[1]!r} in {key[0]!r} needs {need} bytes; {self._ledger.used} of "
+            f"{cap} bytes are used ({why}); nothing was written"
+        )
+
+    def _make_room(self, need: int, key: tuple[str, SeqId]) -> None:
+        """Free room for ``need`` more bytes: the pool first, then least-recently-used whole sequences, never
+        ``key``'s (:meth:`_admit` has checked that evicting every other sequence is enough)."""
+        cap = self.capacity_bytes
+        if self._ledger.used + need <= cap:
+            return
+        self._ledger.pool.clear()
+        self._prune_log(force=True)
+        # Evicting frees a sequence's buffers at once and its log entries at the next prune (done below).
+        while self._ledger.used - self._log.dead * sp.ROW_META_BYTES + need > cap:
+            victim = next(k for k in self._seqs if k != key)
+            self._evictions += 1
+            self._evicted_tokens += self._seqs[victim].length
+            self._remove(victim, pool=False)
+        self._prune_log(force=True)
+
+    def _remove(self, key: tuple[str, SeqId], *, pool: bool) -> None:
+        seq = self._seqs.pop(key)
+        ns = seq.ns
+        # one pass tallying (format code -> pages, bytes), then one ledger update: the per-page cost of a drop
+        off, lo, hi = sp.CUR_FMT_FROM_END, self._sink_rows, seq.window_done
+        tally: dict[int, list[int]] = {}
+        backlog: dict[int, int] = {}
+        give = self._ledger.pool.give_record if pool else None
+        for i, recs in enumerate(seq.pages):
+            eligible = not ns.raw_layer[i]
+            for r, rec in enumerate(recs):
+                code, size = rec[-off], len(rec)
+                t = tally.get(code)
+                if t is None:
+                    t = tally[code] = [0, 0]
+                t[0] += 1
+                t[1] += size
+                if eligible and lo <= r < hi:
+                    backlog[code] = backlog.get(code, 0) + size
+                if give is not None:
+                    give(rec)
+        for code, size in backlog.items():
+            ns.backlog[sp.FMT_NAME[code]] -= size
+        self._ledger.remove_pages({sp.FMT_NAME[c]: (n, b) for c, (n, b) in tally.items()})
+        if seq.tail is not None:
+            self._ledger.remove_tail(seq.tail, pool=pool)
+        self._ledger.meta_bytes -= ns.seq_meta
+        self._log.forget(seq)  # its log entries stay charged until pruned
+        self._tokens -= seq.length
+        ns.sequences -= 1
+        seq.pages, seq.tail, seq.alive = [], None, False
+        self._prune_log(force=False)
+
+    def _prune_log(self, *, force: bool) -> None:
+        self._ledger.meta_bytes -= self._log.prune(force=force) * sp.ROW_META_BYTES
