@@ -4,17 +4,18 @@ committed.
 Never ``-march=native``: one build must run on any x86-64 (or arm64). The SIMD paths are compiled with GCC/Clang
 function target attributes and chosen at run time by CPU detection, so the baseline flags stay generic.
 ``-ffp-contract=off`` keeps the compiler from fusing multiply-adds, so every backend rounds exactly like the
-numpy reference (kvd/kernels_ref.py).
+numpy reference (kvd/codec/reference.py). The extension is ``kvd.codec._kernels``.
 
-The modules listed in kvd/_native.py (COMPILED) are plain Python, also compiled as they are: Python semantics
-(no C typing from annotations, no unchecked indexing), only the interpreter's dispatch goes. ``KVD_PURE_PYTHON=1``
-builds the kernels only.
+The modules listed in kvd/_native.py (COMPILED, dotted names below ``kvd``) are plain Python, also compiled as
+they are: Python semantics (no C typing from annotations, no unchecked indexing), only the interpreter's dispatch
+goes. ``KVD_PURE_PYTHON=1`` builds the kernels only.
 """
 
 import os
 import runpy
 import sys
 from glob import glob
+from pathlib import Path
 
 import numpy as np
 from Cython.Build import cythonize
@@ -27,7 +28,7 @@ if sys.platform == "win32":  # pragma: no cover - not a supported server platfor
 kernels = cythonize(
     [
         Extension(
-            "kvd._kernels",
+            "kvd.codec._kernels",
             sources=["cython_ext/_kernels.pyx"],
             depends=sorted(glob("cython_ext/*.h") + glob("cython_ext/*.pxi")),  # rebuild when the kernels change
             include_dirs=["cython_ext", np.get_include()],
@@ -42,7 +43,10 @@ native = runpy.run_path(os.path.join("kvd", "_native.py"))
 modules = []
 if not native["pure_requested"](os.environ):
     modules = cythonize(
-        [Extension(f"kvd.{name}", [f"kvd/{name}.py"], extra_compile_args=["-O2"]) for name in native["COMPILED"]],
+        [
+            Extension(f"kvd.{name}", [str(native["source_file"](Path("kvd"), name))], extra_compile_args=["-O2"])
+            for name in native["COMPILED"]
+        ],
         # Python semantics exactly: annotations stay annotations, functions stay introspectable
         compiler_directives={"language_level": "3", "annotation_typing": False, "binding": True},
         nthreads=os.cpu_count() or 1,

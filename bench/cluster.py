@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python bench/cluster.py`` (a few minutes) or ``--quick`` (smoke, ~1 minute).
 
-Part 1, throughput. An embedded Ray runs a coordinator and ``--shards`` shards. Client processes (kvd.loadgen)
+Part 1, throughput. An embedded Ray runs a coordinator and ``--shards`` shards. Client processes (kvd.cli.loadgen)
 append a 512-token prefill chunk and then decode steps (one token, all layers) of the 7B-class layout
 (32 layers, 8 KV heads, head_dim 128), read each sequence back and drop it. Reported: aggregate GB/s of fp16
 payload, requests/s, p50/p99 latency per op, for 1 client process (the single-process baseline of this run)
@@ -33,9 +33,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from kvd.cli.loadgen import LAYOUTS, Layout, run_load  # noqa: E402
+from kvd.cluster.deploy import deploy, teardown, wait_until  # noqa: E402
 from kvd.config import load_config  # noqa: E402
-from kvd.coordinator import deploy, teardown, wait_until  # noqa: E402
-from kvd.loadgen import LAYOUTS, Layout, run_load  # noqa: E402
 
 
 def _throughput(args: argparse.Namespace) -> None:

@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvd import kernels
-from kvd.pages import GROUPS
+from kvd.codec import kernels
+from kvd.codec.pages import GROUPS
 
 T, H, D = 64, 8, 128
 LEVELS = ("fp16", "q8", "fp8_e4m3", "fp8_e5m2", "q4")

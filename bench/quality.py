@@ -21,8 +21,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvd import kernels, pages  # noqa: E402
-from kvd import kernels_ref as ref  # noqa: E402
+from kvd.codec import (
+    kernels,
+    pages,  # noqa: E402
+)
+from kvd.codec import reference as ref  # noqa: E402
 from kvd.evaluate import N_QUERIES, eps_o, load_sample  # noqa: E402
 
 TARGETS = {"q8": 0.013, "fp8_e4m3": 0.05, "q4": 0.09}

@@ -35,11 +35,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvd import kernels, page_batch  # noqa: E402
-from kvd import store_pool as sp  # noqa: E402
+from kvd.codec import batch as page_batch  # noqa: E402
+from kvd.codec import kernels
 from kvd.evaluate import attention, sample_path  # noqa: E402
-from kvd.netopts import tune_malloc  # noqa: E402
 from kvd.store import Store  # noqa: E402
+from kvd.store import pool as sp  # noqa: E402
+from kvd.wire.sockets import tune_malloc  # noqa: E402
 
 GiB = 1 << 30
 LEVELS = ("fp16", "q8", "fp8_e4m3", "q4")

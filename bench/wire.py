@@ -17,8 +17,9 @@ For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in f
 * **pages q4**: ``get(format="pages")`` from a second kvd server whose store is at level q4, decoded on the
   client with kvd.pages.assemble, in fp16-equivalent GB/s (the bytes of the fp16 result), against raw get.
 
-Every process (servers and this one, which runs all the clients) recycles large buffers (kvd.server.tune_malloc,
-what a ShardServer does by default): without it, fresh buffers cost a page fault per 4 KiB.
+Every process (servers and this one, which runs all the clients) recycles large buffers
+(kvd.wire.server.tune_malloc, what a ShardServer does by default): without it, fresh buffers cost a page
+fault per 4 KiB.
 
 The layout is one layer of a 7B-class model (8 KV heads x 128 dims, 4 KiB of keys + values per token), so every
 payload is a whole number of tokens and pages have their real size (64 tokens: 128 KiB at fp16).
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zmq  # noqa: E402
 
 from kvd.client import Client  # noqa: E402
-from kvd.server import tune_malloc  # noqa: E402
+from kvd.wire.server import tune_malloc  # noqa: E402
 
 SIZES = {"4 KiB": 4 << 10, "64 KiB": 64 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20}
 LAYERS, HEADS, DIM = 1, 8, 128
@@ -97,8 +98,8 @@ def raw_server(conn: Any) -> None:
 
 
 def kvd_server(conn: Any, level: str, capacity_bytes: int) -> None:
-    from kvd.server import ShardServer
     from kvd.store import Store
+    from kvd.wire.server import ShardServer
 
     store = Store(capacity_bytes, eviction="lru")
     if level != "fp16":

@@ -2,7 +2,7 @@
 
 Both sides stamp time.perf_counter() (CLOCK_MONOTONIC, one clock for every process of the machine) at the
 edges of each phase, by wrapping the client's and the server's own steps (a diagnostic: it hooks private
-methods of kvd.client.Client and kvd.server.ShardServer, so it moves with them):
+methods of kvd.client.Client and kvd.wire.server.ShardServer, so it moves with them):
 
     call -> encode      client API call until the request is encoded (routing, plan)
     encode + send       encode_request and the ZeroMQ send
@@ -43,8 +43,8 @@ PHASES = ("call -> encode", "encode + send", "transit c->s", "admission", "serve
 
 def server(conn: Any, level: str, n: int, capacity_bytes: int) -> None:
     """A ShardServer whose loop stamps receive, run start, run end and reply sent; sends the last n x 4 stamps."""
-    from kvd.server import ShardServer, tune_malloc
     from kvd.store import Store
+    from kvd.wire.server import ShardServer, tune_malloc
 
     tune_malloc()
     store = Store(capacity_bytes, eviction="lru", window_tokens=0)

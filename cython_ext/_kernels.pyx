@@ -3,7 +3,7 @@
 
 Theory of operation
 -------------------
-Each :class:`Backend` binds the 11 kernels of :data:`kvd.kernels_ref.KERNELS` to one compiled kernel set
+Each :class:`Backend` binds the 11 kernels of :data:`kvd.codec.reference.KERNELS` to one compiled kernel set
 ("avx512", "avx2", "neon" or "scalar"). A call first runs a fast argument check straight on the numpy C API
 (dtype, byte order, shape, contiguity, alignment, writability, ``group``/``fmt``/``rotate`` types). If any of
 it fails, the call is handed to the reference function itself: the reference then raises exactly the error it
@@ -24,7 +24,7 @@ cimport numpy as cnp
 
 import numpy as np
 
-from kvd import kernels_ref as _ref
+from kvd.codec import reference as _ref
 from kvd.errors import InvalidArgument, NonFiniteError, OutOfMemory
 
 cnp.import_array()
@@ -219,7 +219,7 @@ cdef inline Py_ssize_t _ng(Py_ssize_t n, int64_t group) noexcept:
 
 
 cdef class Backend:
-    """The 11 kernels bound to one compiled kernel set; same signatures and errors as kvd.kernels_ref."""
+    """The 11 kernels bound to one compiled kernel set; same signatures and errors as kvd.codec.reference."""
 
     cdef const kvd_backend *b
     cdef readonly str name
@@ -492,6 +492,6 @@ include "_pagecodec.pxi"
 
 
 # ---------------------------------------------------------------------------------------------------------
-# warm result buffers (kvd.buffers)
+# warm result buffers (kvd.store.buffers)
 
 include "_warm.pxi"

@@ -1,5 +1,5 @@
 # Batched page codec: whole v1 pages (kernel + header + checksum) for many pages per call, without Python
-# per page. Included by _kernels.pyx; the C side is kvd_pagecodec.h, the Python side kvd/page_batch.py.
+# per page. Included by _kernels.pyx; the C side is kvd_pagecodec.h, the Python side kvd/codec/batch.py.
 #
 # Both entry points return -1 when every page was done, else the index of the first one that was not (a
 # non-finite input, a page whose bytes do not match its spec, a format without a spec): the caller handles
@@ -58,7 +58,7 @@ def page_hash(const unsigned char[::1] data, uint64_t seed) -> int:
 
 
 cdef class PageSpec:
-    """One page layout (no raw heads) flattened for the C codec; built by kvd.page_batch from kvd.pages."""
+    """One page layout (no raw heads) flattened for the C codec; built by kvd.codec.batch from kvd.pages."""
 
     cdef kvd_page_spec s
     cdef readonly int64_t size, tokens, heads, head_dim

@@ -1,5 +1,5 @@
 # Warm result buffers: large blocks whose memory is reused once their last user is gone. Included by
-# _kernels.pyx; the Python side is kvd/buffers.py (which explains why).
+# _kernels.pyx; the Python side is kvd/store/buffers.py (which explains why).
 
 from cpython.buffer cimport PyBuffer_FillInfo
 from libc.stdlib cimport free, malloc

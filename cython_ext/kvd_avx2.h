@@ -1,4 +1,4 @@
-/* AVX2 + F16C + FMA backend, bit-identical to kvd/kernels_ref.py.
+/* AVX2 + F16C + FMA backend, bit-identical to kvd/codec/reference.py.
  *
  * Simpler than the AVX-512 set: one group (rows) or one block of 16 columns (columns) at a time, 8 float32
  * lanes per operation, and the scalar helpers of kvd_scalar.h for tails and for per-group scale arithmetic of

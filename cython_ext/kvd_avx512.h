@@ -1,4 +1,4 @@
-/* AVX-512 backend (F/BW/VL + F16C conversions), bit-identical to kvd/kernels_ref.py.
+/* AVX-512 backend (F/BW/VL + F16C conversions), bit-identical to kvd/codec/reference.py.
  *
  * Theory of operation
  * -------------------

@@ -1,6 +1,6 @@
 /* Shared definitions of kvd's kernels: the backend table, status codes and the portable scalar helpers.
  *
- * Every backend (scalar, AVX2, AVX-512, NEON) must give bit-identical results to kvd/kernels_ref.py. The
+ * Every backend (scalar, AVX2, AVX-512, NEON) must give bit-identical results to kvd/codec/reference.py. The
  * helpers below are the exact scalar forms of the reference's float steps; the SIMD backends use them for
  * per-group scale arithmetic on their generic paths and for tails, so the rounding rules live in one place:
  *

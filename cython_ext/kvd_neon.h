@@ -1,6 +1,6 @@
 /* NEON backend (arm64 only: Advanced SIMD and the float16 conversions are baseline there).
  *
- * Bit-identical to kvd/kernels_ref.py under the default FPCR (round to nearest even, no flush-to-zero). The
+ * Bit-identical to kvd/codec/reference.py under the default FPCR (round to nearest even, no flush-to-zero). The
  * absmax / NaN check runs on 8 float16 bit patterns per vector ((bits & 0x7fff), unsigned max); quantizing and
  * dequantizing run on 4 float32 lanes (vcvtnq_s32_f32 rounds to nearest even like np.rint; vcvt_f16_f32 rounds
  * to nearest even). Per-group scale arithmetic, fp8 rounding and the q4 kernels use the shared scalar helpers

@@ -1,14 +1,14 @@
 /* Whole pages in C: kernel + header + checksum of one v1 page per call, for the batched paths of the store.
  *
- * kvd/pages.py defines the page format (docs/formats.md). For a page without raw heads everything but the
+ * kvd/codec/pages.py defines the page format (docs/formats.md). For a page without raw heads everything but the
  * checksum is a constant of its layout, so a layout is flattened once into a kvd_page_spec (built by
- * kvd/page_batch.py from kvd.pages' own layout) and a page is then encoded or checked and decoded here
+ * kvd/codec/batch.py from kvd.pages' own layout) and a page is then encoded or checked and decoded here
  * without touching Python: the per-page Python work (array views, argument checks, dispatch) costs more than
  * the kernel itself on small pages. The bytes are identical to kvd.pages.encode's (the tests compare them).
  *
  * The checksum is xxh3-64 of the payload seeded with the layout's header hash. kvd does not carry its own
  * copy of xxHash: the caller hands over the XXH3_64bits_withSeed of the xxhash module Python has loaded (the
- * very function kvd.pages calls), checked against it at import (kvd/page_batch.py).
+ * very function kvd.pages calls), checked against it at import (kvd/codec/batch.py).
  */
 #ifndef KVD_PAGECODEC_H
 #define KVD_PAGECODEC_H

@@ -1,5 +1,5 @@
 /* Portable scalar backend (no intrinsics): the plain-C statement of every kernel, bit-identical to
- * kvd/kernels_ref.py. The per-group helpers here (scale computation, one code, one nibble) are also what the
+ * kvd/codec/reference.py. The per-group helpers here (scale computation, one code, one nibble) are also what the
  * SIMD backends call for their generic paths and tails.
  *
  * One choice where the reference leaves the result to numpy: the q4 group minimum and maximum order -0.0

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvd.cli import main
+from kvd.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

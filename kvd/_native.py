@@ -30,28 +30,29 @@ from typing import Any
 
 ENV_VAR = "KVD_PURE_PYTHON"
 
-# The data path: protocol, server and client loops, the store and its page codec glue. Not here: the numpy
-# reference (kernels_ref, the oracle stays interpreted), the control plane (coordinator, shard, policy,
-# membership: Ray calls dominate) and the command line.
+# The data path, as dotted names below the package: protocol, server and client loops, the store and its page
+# codec glue. Not here: the numpy reference (codec.reference, the oracle stays interpreted), the kernel dispatch
+# (codec.kernels, called once per import), the control plane (cluster, policy: Ray calls dominate), the
+# configuration, the command line and the package __init__ files (re-exports only).
 COMPILED = (
-    "buffers",
-    "client",
-    "client_async",
-    "client_core",
-    "netopts",
-    "page_batch",
-    "pages",
-    "pages_assemble",
-    "protocol",
-    "protocol_messages",
-    "protocol_schema",
-    "routing",
-    "server",
-    "store",
-    "store_compact",
-    "store_evict",
-    "store_pool",
-    "store_seq",
+    "client.aio",
+    "client.core",
+    "client.sync",
+    "codec.assemble",
+    "codec.batch",
+    "codec.pages",
+    "store.buffers",
+    "store.compact",
+    "store.core",
+    "store.evict",
+    "store.pool",
+    "store.sequences",
+    "wire.messages",
+    "wire.protocol",
+    "wire.routing",
+    "wire.schema",
+    "wire.server",
+    "wire.sockets",
 )
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -62,10 +63,16 @@ def pure_requested(environ: Any = os.environ) -> bool:
     return environ.get(ENV_VAR, "").strip() not in ("", "0")
 
 
+def source_file(directory: Path, name: str) -> Path:
+    """The ``.py`` of module ``name`` (dotted, below the package in ``directory``)."""
+    return directory.joinpath(*name.split(".")).with_suffix(".py")
+
+
 def compiled_file(directory: Path, name: str) -> Path | None:
-    """The compiled build of module ``name`` in ``directory`` (for this interpreter), if there is one."""
+    """The compiled build of module ``name`` (dotted, below the package in ``directory``) for this interpreter,
+    if there is one."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = directory / f"{name}{suffix}"
+        path = directory.joinpath(*name.split(".")).with_name(name.rpartition(".")[2] + suffix)
         if path.exists():
             return path
     return None
@@ -76,7 +83,7 @@ def stale_modules(directory: Path, names: Iterable[str]) -> list[str]:
     stale = []
     for name in names:
         built = compiled_file(directory, name)
-        source = directory / f"{name}.py"
+        source = source_file(directory, name)
         if built is not None and source.exists() and built.stat().st_mtime < source.stat().st_mtime:
             stale.append(name)
     return stale
@@ -89,10 +96,11 @@ class SourceFinder:
         self.package, self.directory, self.names = package, directory, frozenset(names)
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        package, _, name = fullname.rpartition(".")
-        if package != self.package or name not in self.names:
+        prefix = self.package + "."
+        name = fullname[len(prefix):]
+        if not fullname.startswith(prefix) or name not in self.names:
             return None
-        return importlib.util.spec_from_file_location(fullname, self.directory / f"{name}.py")
+        return importlib.util.spec_from_file_location(fullname, source_file(self.directory, name))
 
 
 _installed: list[SourceFinder] = []

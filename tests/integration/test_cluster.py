@@ -23,10 +23,10 @@ import pytest
 import ray
 
 from kvd.client import Client
+from kvd.cluster.deploy import Deployment, deploy, teardown, wait_until
 from kvd.config import Config, load_config
-from kvd.coordinator import Deployment, deploy, teardown, wait_until
 from kvd.errors import Conflict, KvdError, OutOfMemory, UnknownNamespace, UnknownSequence
-from kvd.protocol import owner
+from kvd.wire.protocol import owner
 
 pytestmark = pytest.mark.integration
 

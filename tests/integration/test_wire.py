@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import zmq
 
-from kvd import pages
-from kvd import protocol as p
 from kvd.client import AsyncClient, Client, aggregate_stats
+from kvd.codec import pages
 from kvd.errors import (
     Conflict,
     InvalidArgument,
@@ -32,9 +31,10 @@ from kvd.errors import (
     UnknownNamespace,
     UnknownSequence,
 )
-from kvd.routing import owner
-from kvd.server import ShardServer, TopologyServer
 from kvd.store import Store
+from kvd.wire import protocol as p
+from kvd.wire.routing import owner
+from kvd.wire.server import ShardServer, TopologyServer
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16}
 
 def _serve(conn: Any, shard_id: str, store_kwargs: dict[str, Any], server_kwargs: dict[str, Any],
            level: str | None, curve_files: dict[str, str] | None) -> None:
-    from kvd.server import CurveConfig
+    from kvd.wire.server import CurveConfig
 
     store = Store(store_kwargs.pop("capacity_bytes", 256 << 20), **store_kwargs)
     if level is not None:

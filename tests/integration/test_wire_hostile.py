@@ -16,10 +16,10 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvd import protocol as p
 from kvd.client import Client
 from kvd.errors import Busy, Timeout, UnknownSequence
-from kvd.server import CurveConfig, keygen
+from kvd.wire import protocol as p
+from kvd.wire.server import CurveConfig, keygen
 
 # a sibling test module (pytest puts this directory on sys.path): the server-process helpers
 from test_wire import LAYOUT, NS, ServerProcess, kv, raw_dealer, request  # isort: skip

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from kvd import kernels
+from kvd.codec import kernels
 
 BACKENDS = kernels.available()
 IMPLS = {name: kernels.load(name) for name in BACKENDS}

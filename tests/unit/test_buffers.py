@@ -1,4 +1,4 @@
-"""Warm result buffers (kvd.buffers): a block's memory is reused only after every array and view on it is
+"""Warm result buffers (kvd.store.buffers): a block's memory is reused only after every array and view on it is
 gone, never more than the cache limit is kept, and small arrays are plain numpy arrays."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import gc
 import numpy as np
 import pytest
 
-from kvd import buffers
+from kvd.store import buffers
 
-pytest.importorskip("kvd._kernels", reason="warm blocks live in the compiled extension")
+pytest.importorskip("kvd.codec._kernels", reason="warm blocks live in the compiled extension")
 BIG = (4, 256, 8, 128)  # 2 MiB
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd import protocol as p
-from kvd.client import _append_chunks, aggregate_stats
-from kvd.client_core import _check_hello, _Conn, _on_wire
+from kvd.client.core import _check_hello, _Conn, _on_wire
+from kvd.client.sync import _append_chunks, aggregate_stats
 from kvd.errors import ConfigError, InvalidArgument, ShardUnavailable
-from kvd.routing import Topology, owner
-from kvd.server import CurveConfig, keygen
+from kvd.wire import protocol as p
+from kvd.wire.routing import Topology, owner
+from kvd.wire.server import CurveConfig, keygen
 
 
 def test_keygen_writes_a_private_secret_and_configs_load_it(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.config import (
+from kvd.config.settings import (
     DEFAULT_MEMORY_CAP_BYTES,
     SETTINGS,
     Config,

@@ -1,4 +1,4 @@
-"""Every kernel backend against the numpy reference (kvd.kernels_ref), bit for bit.
+"""Every kernel backend against the numpy reference (kvd.codec.reference), bit for bit.
 
 Outputs are compared as bit patterns (codes, scales, mins, decoded float16 via .view(uint16)), with no
 exception: the reference reduces q4 minimums and maximums on order-preserving integer keys, so even a group
@@ -34,8 +34,8 @@ from kernel_cases import (  # tests/unit is on sys.path (pytest's default import
     ng,
 )
 
-from kvd import kernels
-from kvd import kernels_ref as ref
+from kvd.codec import kernels
+from kvd.codec import reference as ref
 from kvd.errors import BackendUnavailable, InvalidArgument, NonFiniteError
 
 # ---------------------------------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def test_f32_to_fp8_matches_ml_dtypes(fmt):
     big = np.array([top * 1.01, 1e30, -1e30], np.float32)
     assert np.array_equal(lut[ref.f32_to_fp8(big, fmt)], np.array([top, top, -top], np.float32))
     if COMPILED:  # the C helper every compiled backend builds on
-        from kvd import _kernels
+        from kvd.codec import _kernels
 
         assert np.array_equal(_kernels.f32_to_fp8(ys, fmt), ref.f32_to_fp8(ys, fmt))
         assert np.array_equal(_kernels.fp8_lut(fmt).view(np.uint32), lut.view(np.uint32))
@@ -332,7 +332,7 @@ def test_f32_to_fp8_matches_ml_dtypes(fmt):
 
 @pytest.mark.skipif(not COMPILED, reason="the compiled extension is not built")
 def test_c_float16_helpers_match_numpy():
-    from kvd import _kernels
+    from kvd.codec import _kernels
 
     allbits = np.arange(0x7C00, dtype=np.uint16)
     vals = np.concatenate([allbits, allbits | 0x8000]).view(np.float16)
@@ -399,7 +399,7 @@ def test_kvd_kernels_forces_a_backend():
 @pytest.mark.timeout(60)
 def test_missing_extension_falls_back_to_reference_with_a_warning():
     code = (
-        "import sys, warnings; sys.modules['kvd._kernels'] = None\n"
+        "import sys, warnings; sys.modules['kvd.codec._kernels'] = None\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"
         "    from kvd import kernels\n"
@@ -408,7 +408,7 @@ def test_missing_extension_falls_back_to_reference_with_a_warning():
     run = _python(code, None)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["reference", "['reference']", "True"]
-    run = _python("import sys; sys.modules['kvd._kernels'] = None\nimport kvd.kernels", "scalar")
+    run = _python("import sys; sys.modules['kvd.codec._kernels'] = None\nimport kvd.kernels", "scalar")
     assert run.returncode != 0 and "BackendUnavailable" in run.stderr
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from kernel_cases import COMPILED, IMPLS, assert_same_encoding, bits, decode, encode, layout, make_x
 
-from kvd import kernels_ref as ref
+from kvd.codec import reference as ref
 from kvd.errors import NonFiniteError
 
 

@@ -1,11 +1,12 @@
-"""kvd.membership (pure): topology epochs, cluster pressure, one sample per round, level epochs, recovery."""
+"""kvd.cluster.membership (pure): topology epochs, cluster pressure, one sample per round, level epochs,
+recovery."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvd.cluster.membership import Membership, ShardReport
 from kvd.errors import InvalidArgument
-from kvd.membership import Membership, ShardReport
 from kvd.policy import Level, Policy, PolicyConfig
 
 INTERVAL_S = 0.5

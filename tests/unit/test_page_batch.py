@@ -1,4 +1,4 @@
-"""The batched C page codec (kvd.page_batch, cython_ext/_pagecodec.pxi): the same bytes as kvd.pages, every
+"""The batched C page codec (kvd.codec.batch, cython_ext/_pagecodec.pxi): the same bytes as kvd.pages, every
 compiled kernel set, and what it leaves to kvd.pages (non-finite input, damaged pages, arrays it cannot take)."""
 
 from __future__ import annotations
@@ -6,12 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvd import kernels, page_batch, pages
-from kvd import store_pool as sp
+from kvd import kernels, pages
+from kvd.codec import batch as page_batch
 from kvd.errors import CorruptPage, KvdError, NonFiniteError, UnknownSequence
 from kvd.store import Store
+from kvd.store import pool as sp
 
-ext = pytest.importorskip("kvd._kernels", reason="the compiled extension is what this module tests")
+ext = pytest.importorskip("kvd.codec._kernels", reason="the compiled extension is what this module tests")
 COMPILED = [b for b in kernels.available() if b != "reference"]
 TRAILER = bytes(range(sp.TRAILER_BYTES))  # any 32 bytes: the codec copies them verbatim
 SHAPES = [(64, 3, 64), (64, 8, 128), (5, 1, 7), (33, 2, 96), (1, 4, 16)]

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd import kernels, pages
-from kvd import kernels_ref as ref
+from kvd.codec import reference as ref
 from kvd.errors import CorruptPage, InvalidArgument, KvdError, NonFiniteError, UnsupportedVersion
 
 GOLDEN = Path(__file__).parent / "data" / "pages_v1"

@@ -27,7 +27,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvd import errors, pages
-from kvd import protocol as p
 from kvd.errors import (
     ConfigError,
     InvalidArgument,
@@ -36,6 +35,7 @@ from kvd.errors import (
     ProtocolError,
     UnsupportedVersion,
 )
+from kvd.wire import protocol as p
 
 FIXTURES = Path(__file__).parent / "fixtures" / "protocol"
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -1024,7 +1024,7 @@ def test_routing_is_balanced_and_moves_only_the_removed_shards_keys() -> None:
 
 
 def test_router_matches_owner_and_is_reexported() -> None:
-    from kvd import routing
+    from kvd.wire import routing
 
     assert p.owner is routing.owner and p.rendezvous_score is routing.rendezvous_score
     router = routing.Router(SHARDS)

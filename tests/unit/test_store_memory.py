@@ -9,10 +9,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kvd import kernels, page_batch, pages
-from kvd import store_pool as sp
+from kvd.codec import batch as page_batch
+from kvd.codec import kernels, pages
 from kvd.errors import NonFiniteError, OutOfMemory, UnknownSequence
 from kvd.store import Store
+from kvd.store import pool as sp
 
 NS = "m"
 MiB = 1 << 20

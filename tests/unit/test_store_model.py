@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvd import pages
-from kvd import store_pool as sp
 from kvd.errors import NonFiniteError, OutOfMemory, UnknownSequence
 from kvd.policy import Level
 from kvd.store import Store
+from kvd.store import pool as sp
 
 NS = "m"
 L, H, D = 2, 2, 8

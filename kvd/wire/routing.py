@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvd.errors import InvalidArgument, ShardUnavailable
-from kvd.protocol_schema import SeqId, check_namespace, check_seq_id, check_shards, check_short_text, show
+from kvd.wire.schema import SeqId, check_namespace, check_seq_id, check_shards, check_short_text, show
 
 __all__ = ["Router", "Topology", "owner", "rendezvous_score", "routing_key"]
 

@@ -20,7 +20,7 @@ no path is given explicitly.
 
 This module is the only place in kvd that reads configuration from the environment or from files; it also
 keeps the small run notes `kvd up` leaves for `kvd status` and `kvd down` (:func:`write_run_file`). The value
-parsers themselves (sizes, bounded numbers, choices, ...) are pure and live in :mod:`kvd.config_parsers`;
+parsers themselves (sizes, bounded numbers, choices, ...) are pure and live in :mod:`kvd.config.parsers`;
 :func:`parse_size` and :func:`format_size` are re-exported from here.
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvd.config_parsers import (
+from kvd.config.parsers import (
     GIB,
     KIB,
     MIB,
@@ -94,7 +94,7 @@ DEFAULT_MEMORY_FLOOR_BYTES = 64 * MIB
 DEFAULT_PORT = 7070
 
 # ------------------------------------------------------------------------------------------------ parsers
-# The generic parsers are in kvd.config_parsers; these two stay here: one needs the policy's levels, the other
+# The generic parsers are in kvd.config.parsers; these two stay here: one needs the policy's levels, the other
 # expands "~" (which reads $HOME, and only this module reads the environment).
 
 

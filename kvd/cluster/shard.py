@@ -1,4 +1,5 @@
-"""A shard: a thin Ray actor around one :class:`~kvd.store.Store` and its ZeroMQ :class:`~kvd.server.ShardServer`.
+"""A shard: a thin Ray actor around one :class:`~kvd.store.Store` and its ZeroMQ
+:class:`~kvd.wire.server.ShardServer`.
 
 Theory of operation
 -------------------
@@ -29,13 +30,13 @@ import time
 import uuid
 from typing import Any
 
-from kvd import buffers
-from kvd.config import Config
+from kvd.config.settings import Config
 from kvd.errors import ConfigError
+from kvd.store import buffers
 
 __all__ = ["Shard"]
 
-log = logging.getLogger("kvd.shard")
+log = logging.getLogger("kvd.cluster.shard")
 
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
@@ -58,9 +59,9 @@ class Shard:
     """
 
     def __init__(self, shard_id: str, config: Config, *, host: str) -> None:
-        from kvd.coordinator import curve_server_config, resolve_host
-        from kvd.server import ShardServer
-        from kvd.store import Store
+        from kvd.cluster.naming import curve_server_config, resolve_host
+        from kvd.store.core import Store
+        from kvd.wire.server import ShardServer
 
         self._shard_id = shard_id
         self._config = config
@@ -157,7 +158,7 @@ class Shard:
     def _report_loop(self) -> None:
         import ray
 
-        from kvd.coordinator import coordinator_name
+        from kvd.cluster.naming import coordinator_name
 
         cluster = self._config.cluster
         timeout_s = cluster.ray_timeout_s

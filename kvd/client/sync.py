@@ -5,9 +5,9 @@ Theory of operation
 -------------------
 *Addressing.* ``address`` is the coordinator's endpoint (one string): the client asks it for the topology (op
 ``topology``) and routes each ``(namespace, seq_id)`` by rendezvous hashing over the shard ids
-(:class:`kvd.routing.Router`). If the string is a shard's endpoint instead (its ``hello`` says role ``shard``),
-the client uses that one shard. A list of shard endpoints is asked ``hello`` each for its shard id, so routing
-agrees with clients that read the topology from the coordinator.
+(:class:`kvd.wire.routing.Router`). If the string is a shard's endpoint instead (its ``hello`` says role
+``shard``), the client uses that one shard. A list of shard endpoints is asked ``hello`` each for its shard id,
+so routing agrees with clients that read the topology from the coordinator.
 
 *Connections.* One DEALER per shard, opened on first use; the shard's ``hello`` is checked (protocol version,
 shard id against the topology, limits). ``ZMQ_IMMEDIATE`` queues requests only to a live connection, so a shard
@@ -45,9 +45,8 @@ import numpy as np
 import zmq
 import zmq.backend
 
-from kvd import protocol as p
-from kvd.client_async import AsyncClient  # re-exported: kvd.client is where callers import it from
-from kvd.client_core import (
+from kvd.client.aio import AsyncClient  # re-exported: kvd.client is where callers import it from
+from kvd.client.core import (
     CONNECT_GRACE_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
@@ -60,9 +59,10 @@ from kvd.client_core import (
     _value,
     aggregate_stats,
 )
-from kvd.curve import CurveConfig
 from kvd.errors import InvalidArgument, KvdError
-from kvd.netopts import recv_frames, send_frames
+from kvd.wire import protocol as p
+from kvd.wire.curve import CurveConfig
+from kvd.wire.sockets import recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class Pending:
 class Client(_Core):
     """A blocking client. ``address``: the coordinator's endpoint, one shard's endpoint, or a list of shard
     endpoints. ``timeout_s`` bounds every call (each method also takes ``timeout_s=``); ``curve``: a client
-    :class:`~kvd.server.CurveConfig`; ``limits``: what this client accepts in a reply. Connects and reads the
+    :class:`~kvd.wire.server.CurveConfig`; ``limits``: what this client accepts in a reply. Connects and reads the
     topology at construction: raises :class:`~kvd.errors.Timeout` or :class:`~kvd.errors.ShardUnavailable` if it
     cannot. Not thread-safe; a context manager (:meth:`close`)."""
 

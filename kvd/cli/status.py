@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from kvd.config import format_size
+from kvd.config.settings import format_size
 from kvd.policy import Level
 
 __all__ = ["fmt_bytes", "shard_table", "status_line", "StatusMetrics"]

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvd import store_pool as sp
-from kvd import store_seq
 from kvd.errors import OutOfMemory
-from kvd.store_seq import Seq, SeqId
+from kvd.store import pool as sp
+from kvd.store import sequences as store_seq
+from kvd.store.sequences import Seq, SeqId
 
 __all__ = ["Eviction"]
 

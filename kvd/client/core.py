@@ -1,4 +1,4 @@
-"""What :class:`kvd.client.Client` and :class:`kvd.client_async.AsyncClient` share: connections (:class:`_Conn`),
+"""What :class:`kvd.client.Client` and :class:`kvd.client.aio.AsyncClient` share: connections (:class:`_Conn`),
 the reply-to-value mapping, and :class:`_Core`, which holds addressing, topology, routing, request ids and every
 call's *plan* (a generator of I/O actions that each client runs with its own I/O: blocking calls or awaits).
 Theory of operation: the docstring of :mod:`kvd.client`."""
@@ -16,9 +16,7 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvd import pages
-from kvd import protocol as p
-from kvd.curve import CurveConfig
+from kvd.codec.assemble import assemble
 from kvd.errors import (
     Busy,
     InvalidArgument,
@@ -29,8 +27,10 @@ from kvd.errors import (
     Timeout,
     UnsupportedVersion,
 )
-from kvd.netopts import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
-from kvd.routing import Topology
+from kvd.wire import protocol as p
+from kvd.wire.curve import CurveConfig
+from kvd.wire.routing import Topology
+from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def _value(req: Any, reply: Any) -> Any:
     if isinstance(reply, p.GetReply):
         return reply.keys, reply.values
     if isinstance(reply, p.GetPagesReply):
-        return pages.assemble(reply.entries, reply.start, reply.end, reply.layers)
+        return assemble(reply.entries, reply.start, reply.end, reply.layers)
     if isinstance(reply, p.DropReply):
         return reply.dropped
     if isinstance(reply, p.StatsReply):

@@ -2,7 +2,7 @@
 
 ``assemble`` / ``assemble_into`` are re-exported by :mod:`kvd.pages` (their public home). Every page's header
 is checked first (shape, coverage of the range); whole pages are then checked and decoded by the C codec in
-one call (:mod:`kvd.page_batch`), the rest (pages cut by the range, pages with raw heads, a damaged page, which
+one call (:mod:`kvd.codec.batch`), the rest (pages cut by the range, pages with raw heads, a damaged page, which
 raises) page by page; with enough output, on two threads (the kernels release the GIL).
 """
 
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvd import page_batch
+from kvd.codec import batch as page_batch
+from kvd.codec.pages import _batch_spec, _bytes_view, _decode_layout, _Layout, decode, decode_into, header
 from kvd.errors import InvalidArgument
-from kvd.pages import _batch_spec, _bytes_view, _decode_layout, _Layout, decode, decode_into, header
 
 
 def assemble(
@@ -93,7 +93,7 @@ _Job = tuple[object, np.ndarray, int, int, _Layout]  # page, destination, first 
 
 
 def _decode_jobs(jobs: Sequence[_Job]) -> None:
-    """Whole pages go to the C codec in one call (kvd.page_batch); partial pages, pages it has no spec for and
+    """Whole pages go to the C codec in one call (kvd.codec.batch); partial pages, pages it has no spec for and
     any page it stops at (damaged: decode_into raises the error) go through decode_into here."""
     whole: list[_Job] = []
     rest: list[_Job] = []

@@ -1,7 +1,7 @@
 """The kvd wire messages (docs/protocol.md): one frozen, slotted dataclass per request and reply. Pure: no zmq.
 
 Theory of operation. Every message validates itself when built, so a message that exists is a valid message.
-Each class lists its header fields as ``(name, check)`` pairs (checks from :mod:`kvd.protocol_schema`); the
+Each class lists its header fields as ``(name, check)`` pairs (checks from :mod:`kvd.wire.schema`); the
 generic codec in :mod:`kvd.protocol` turns those fields into a header map and back. The three classes with
 binary frames (:class:`AppendRequest`, :class:`GetReply`, :class:`GetPagesReply`) add their own frame handling
 through ``_payload`` (encoding) and ``_from_payload`` (decoding). Import these names from :mod:`kvd.protocol`,
@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar
 
 from kvd.errors import ConfigError, InvalidArgument, KvdError, ProtocolError, error_for_code
-from kvd.protocol_schema import (
+from kvd.wire.schema import (
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_FRAMES,
     DEFAULT_MAX_HEADER_BYTES,

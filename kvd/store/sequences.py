@@ -1,7 +1,7 @@
 """Page tables of :mod:`kvd.store`: namespaces, sequences, argument checks and the read side.
 
 A :class:`Namespace` fixes a layout and precomputes the byte size of every page format. A :class:`Seq` is one
-sequence's page table: per layer a list of sealed records (:mod:`kvd.store_pool`), one hot tail shared by all
+sequence's page table: per layer a list of sealed records (:mod:`kvd.store.pool`), one hot tail shared by all
 layers (``[2, L, P, H, D]`` float16: keys, values), and ``window_done``, the number of rows that have left the
 recent window. The functions here only read a sequence (decode pages, list them, explain one); everything that
 changes state, and the lock, stays in :class:`kvd.store.Store`.
@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from kvd import page_batch, pages
-from kvd import store_pool as sp
+from kvd.codec import batch as page_batch
+from kvd.codec import pages
 from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch
+from kvd.store import pool as sp
 
 RAW = "fp16"
 
@@ -110,7 +111,7 @@ class RowPlan:
         self.rec_bytes = sum(x[1] for x in layers)
         self.need = self.rec_bytes + sp.PAGE_META_BYTES * ns.layers
         self.counts = tuple((f, n, nb) for f, (n, nb) in counts.items())
-        # per layer (key spec, value spec, trailer) for kvd.page_batch, or None when a layer has no C spec
+        # per layer (key spec, value spec, trailer) for kvd.codec.batch, or None when a layer has no C spec
         specs = [ns.specs.get(f) for f, *_ in layers]
         ok = all(x is not None for x in specs)
         self.batch = tuple((*x, lay[5]) for x, lay in zip(specs, layers, strict=True)) if ok else None  # type: ignore[misc]
@@ -154,7 +155,7 @@ class Namespace:
             self.rec_bytes[fmt] = kb + vb + sp.TRAILER_BYTES
         # page_bytes by the format code a record's trailer holds (sp.FMT_CODE order), for the read loop
         self.sizes_by_code = tuple(self.page_bytes[fmt] for fmt in pages.LEVELS)
-        # (key spec, value spec) of the C page codec per format (kvd.page_batch); absent when it is off or
+        # (key spec, value spec) of the C page codec per format (kvd.codec.batch); absent when it is off or
         # the format's pages carry raw heads
         self.specs: dict[str, tuple[Any, Any]] = {}
         for fmt in pages.LEVELS:

@@ -7,8 +7,8 @@ is seen either as rows ``[T*H, D]`` (per-token quantization: groups run along he
 ``[T, H*D]`` (per-channel quantization, as in KIVI: groups run along the tokens). ``group`` is the group size;
 the last group of a row (column) may be partial.
 
-The compiled backends (``kvd._kernels``: AVX-512, AVX2, NEON, scalar C) produce *bit-identical* integer codes,
-scales and decoded values to these functions. That is possible because every step below is a single IEEE-754
+The compiled backends (``kvd.codec._kernels``: AVX-512, AVX2, NEON, scalar C) produce *bit-identical* integer
+codes, scales and decoded values to these functions. That is possible because every step below is a single IEEE-754
 float32 operation in round-to-nearest-even (no fused multiply-add anywhere; the extension is built with
 ``-ffp-contract=off``), and the few directed roundings are explicit:
 

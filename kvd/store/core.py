@@ -10,7 +10,7 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   lands in a partial page and written in place. When it fills, the row is sealed and the array is reused for
   the next tokens or released; a sequence whose length is a multiple of P holds no tail.
 * **Sealing.** A full page is encoded with :func:`kvd.pages.encode_into` into a *record* (one ``bytearray``:
-  key page, value page, 32-byte history trailer; :mod:`kvd.store_pool`) at the format of the level in force,
+  key page, value page, 32-byte history trailer; :mod:`kvd.store.pool`) at the format of the level in force,
   unless protected: a page holding any of the first ``sink_tokens`` tokens, a page of a ``raw_layers`` layer,
   or a page still inside the last ``window_tokens`` tokens stays fp16; ``raw_heads`` stay fp16 inside
   quantized pages. A window page is encoded at the level in force when its last token leaves the window.
@@ -23,12 +23,12 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   lower rung, within a byte budget per call. Re-encoding an 8-bit page to q4 quantizes a second time, so its
   error is that of q4 plus the 8-bit error it already had. Level drops only change new pages.
 * **Accounting.** ``used_bytes`` = every record's length + every hot tail's full size + the pool's free buffers
-  + stated metadata charges (:mod:`kvd.store_pool`: per page, per logged row, per sequence and layer, per
+  + stated metadata charges (:mod:`kvd.store.pool`: per page, per logged row, per sequence and layer, per
   namespace). An append computes the bytes it will allocate before touching anything. If they do not fit it
   refuses with :class:`~kvd.errors.OutOfMemory` when no room can be made (``eviction="none"`` and the pool
   emptied is not enough, or the sequence alone cannot fit); otherwise it builds its pages first, then empties
   the pool and evicts least-recently-used whole sequences (never the sequence being appended to) until they
-  fit, then commits (:mod:`kvd.store_evict`). The check counts the peak (new buffers are allocated before the
+  fit, then commits (:mod:`kvd.store.evict`). The check counts the peak (new buffers are allocated before the
   ones they replace are freed), so ``used_bytes`` never exceeds ``capacity_bytes``; while an evicting append
   runs, the process holds that append's new pages beyond the capacity (as a Redis command may exceed
   ``maxmemory`` by its own size), the price of not reading the tokens once more to refuse NaN/Inf first.
@@ -61,8 +61,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd import buffers, page_batch, store_seq
-from kvd import store_pool as sp
+from kvd.codec import batch as page_batch
 from kvd.errors import (
     ConfigError,
     InvalidArgument,
@@ -71,9 +70,12 @@ from kvd.errors import (
     UnknownSequence,
 )
 from kvd.policy import Level
-from kvd.store_compact import Compaction
-from kvd.store_evict import Eviction
-from kvd.store_seq import (
+from kvd.store import buffers
+from kvd.store import pool as sp
+from kvd.store import sequences as store_seq
+from kvd.store.compact import Compaction
+from kvd.store.evict import Eviction
+from kvd.store.sequences import (
     PACK_FRAME_BYTES,
     RAW,
     Namespace,

@@ -51,11 +51,13 @@ import zmq.auth
 import zmq.backend
 from zmq.auth.thread import ThreadAuthenticator
 
-from kvd import __version__, pages
-from kvd import protocol as p
-from kvd.curve import ZAP_DOMAIN, AllowList, CurveConfig, keygen
+from kvd import __version__
+from kvd.codec import pages
 from kvd.errors import Busy, ConfigError, Conflict, KvdError, MessageTooLarge, ProtocolError, UnknownSequence
-from kvd.netopts import (
+from kvd.store.core import PACK_FRAME_BYTES, Store
+from kvd.wire import protocol as p
+from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig, keygen
+from kvd.wire.sockets import (
     COPY_THRESHOLD_BYTES,
     DEFAULT_HEARTBEAT_IVL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -63,11 +65,10 @@ from kvd.netopts import (
     send_frames,
     tune_malloc,
 )
-from kvd.store import PACK_FRAME_BYTES, Store
 
 log = logging.getLogger(__name__)
 
-# CurveConfig, keygen, tune_malloc and the frame helpers live in kvd.curve / kvd.netopts; re-exported here
+# CurveConfig, keygen, tune_malloc and the frame helpers live in kvd.wire.curve and kvd.wire.sockets (re-exported)
 __all__ = ["COPY_THRESHOLD_BYTES", "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "CurveConfig",
            "ShardServer", "TopologyServer", "keygen", "recv_frames", "send_frames", "tune_malloc"]
 

@@ -4,8 +4,8 @@ Theory of operation
 -------------------
 Shards are known by stable ids (``shard-0`` ...). A shard *registers* when its process starts (with a fresh
 ``incarnation``) and then *reports* ``used`` / ``capacity`` and the level and epoch its store has applied,
-every report interval. The coordinator (kvd.coordinator) owns one :class:`Membership` and passes each event in
-with the current time; everything here is deterministic, so the unit tests drive it with a fake clock.
+every report interval. The coordinator (kvd.cluster.coordinator) owns one :class:`Membership` and passes each
+event in with the current time; everything here is deterministic, so the unit tests drive it with a fake clock.
 
 Topology. The topology lists every known shard and its endpoint under a *topology epoch* that increases
 whenever a shard joins, changes endpoint (a restarted shard) or is removed. A shard that stops reporting is

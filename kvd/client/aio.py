@@ -1,5 +1,5 @@
 """The asyncio client, :class:`AsyncClient`: :class:`kvd.client.Client`'s methods as coroutines (theory of
-operation: :mod:`kvd.client`; the request plans are shared, :mod:`kvd.client_core`)."""
+operation: :mod:`kvd.client`; the request plans are shared, :mod:`kvd.client.core`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from kvd import protocol as p
-from kvd.client_core import (
+from kvd.client.core import (
     CONNECT_GRACE_S,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
@@ -25,8 +24,9 @@ from kvd.client_core import (
     _open_socket,
     aggregate_stats,
 )
-from kvd.curve import CurveConfig
 from kvd.errors import InvalidArgument, KvdError
+from kvd.wire import protocol as p
+from kvd.wire.curve import CurveConfig
 
 log = logging.getLogger(__name__)
 

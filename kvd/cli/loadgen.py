@@ -45,7 +45,7 @@ def percentile_ms(samples: np.ndarray, q: float) -> float:
 
 def _worker(wid: int, endpoint: str, layout: Layout, prefill_tokens: int, decode_steps: int, namespace: str,
             curve: Any, timeout_s: float, start: Any, stop_at: Any, counter: Any, out: Any) -> None:
-    from kvd.client import Client
+    from kvd.client.sync import Client
 
     lat: dict[str, list[float]] = {op: [] for op in _OPS}
     errors: list[str] = []

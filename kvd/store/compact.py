@@ -16,13 +16,13 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from kvd import store_pool as sp
-from kvd.store_seq import Namespace, Seq, int_arg
+from kvd.store import pool as sp
+from kvd.store.sequences import Namespace, Seq, int_arg
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from kvd import store_seq
+    from kvd.store import sequences as store_seq
 
 __all__ = ["Compaction"]
 

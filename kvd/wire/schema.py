@@ -1,6 +1,6 @@
 """Constants, field checks, tensor framing and size limits of the kvd wire protocol (docs/protocol.md), shared
-by the messages in :mod:`kvd.protocol_messages`, the codec in :mod:`kvd.protocol` and the routing in
-:mod:`kvd.routing`. Pure: no zmq.
+by the messages in :mod:`kvd.wire.messages`, the codec in :mod:`kvd.protocol` and the routing in
+:mod:`kvd.wire.routing`. Pure: no zmq.
 
 A *check* is a function ``(field name, value, exception class for a wrong type) -> normalised value``. A value
 of the wrong type raises the given class (:class:`~kvd.errors.ProtocolError` for bytes off the wire,

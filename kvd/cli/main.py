@@ -5,7 +5,7 @@ endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--
 Ray cluster instead. Settings: defaults < ``--config`` TOML < ``KVD_*`` environment < flags (kvd.config).
 ``kvd status`` and ``kvd bench`` talk to the coordinator's ZeroMQ endpoint like any client; ``kvd down``
 stops a kvd through the process that runs it (embedded) or through Ray (``--address``). What the status
-table, the live line and the Prometheus exporter show is drawn by kvd.status_view.
+table, the live line and the Prometheus exporter show is drawn by kvd.cli.status.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvd import __version__
-from kvd.config import (
+from kvd.cli.status import StatusMetrics, fmt_bytes, shard_table, status_line
+from kvd.config.settings import (
     DEFAULT_PORT,
     Config,
     default_memory_bytes,
@@ -32,7 +33,6 @@ from kvd.config import (
     write_run_file,
 )
 from kvd.errors import ConfigError, KvdError
-from kvd.status_view import StatusMetrics, fmt_bytes, shard_table, status_line
 
 __all__ = ["main"]
 
@@ -110,7 +110,7 @@ def _default_endpoint(config: Config) -> str:
 def _curve_client(config: Config) -> Any:
     if config.curve.server_public_key is None:
         return None
-    from kvd.server import CurveConfig
+    from kvd.wire.server import CurveConfig
 
     return CurveConfig.for_client(
         server_public_key_file=config.curve.server_public_key, secret_key_file=config.curve.client_secret_key
@@ -165,7 +165,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ConfigError("--detach needs --address (an embedded Ray lives only as long as `kvd up`)")
     import ray
 
-    from kvd.coordinator import deploy, teardown
+    from kvd.cluster.deploy import deploy, teardown
 
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
@@ -246,7 +246,7 @@ def _watch(deployment: Any, metrics: StatusMetrics | None, *, live: bool, quiet:
 def cmd_status(args: argparse.Namespace) -> int:
     config = _load(args)
     endpoint = args.address or _default_endpoint(config)
-    from kvd.client import Client
+    from kvd.client.sync import Client
 
     with Client(endpoint, timeout_s=args.timeout, curve=_curve_client(config)) as client:
         topology = client.topology() if hasattr(client, "topology") else None
@@ -293,7 +293,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         return _EXIT_ERROR
     import ray
 
-    from kvd.coordinator import teardown
+    from kvd.cluster.deploy import teardown
 
     _ray_connect(str(address), ns)
     try:
@@ -353,7 +353,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvd.loadgen import LAYOUTS, print_report, run_load
+    from kvd.cli.loadgen import LAYOUTS, print_report, run_load
 
     config = _load(args)
     endpoint = args.address or _default_endpoint(config)

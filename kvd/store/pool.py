@@ -29,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from kvd import page_batch, pages
+from kvd.codec import batch as page_batch
+from kvd.codec import pages
 from kvd.errors import NonFiniteError
 
 # The trailer (see the module docstring). Offsets are from the end of the record, for cheap byte reads.
@@ -223,7 +224,7 @@ def encode_record(
 
 RowLayers = tuple[tuple[str, int, int, int, tuple[int, ...], bytes], ...]
 # one row to seal: its records, per layer (format, record bytes, key page bytes, value page bytes, raw heads,
-# trailer) (kvd.store_seq.RowPlan.layers), RowPlan.batch, the source arrays, the first source token, the row
+# trailer) (kvd.store.sequences.RowPlan.layers), RowPlan.batch, the source arrays, the first source token, the row
 SealJob = tuple[list[bytearray], RowLayers, Any, np.ndarray, np.ndarray, int, int]
 
 

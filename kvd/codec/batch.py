@@ -28,11 +28,11 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from kvd import kernels
+from kvd.codec import kernels
 
 _ext: Any
 try:
-    _ext = importlib.import_module("kvd._kernels")
+    _ext = importlib.import_module("kvd.codec._kernels")
 except ImportError:  # not built: the per-page path is all there is
     _ext = None
 

@@ -4,7 +4,7 @@ Why: a get of many MiB returns new arrays. glibc maps every block over 32 MiB fr
 when freed (that threshold cannot be raised), so each such get pays a page fault and the kernel's zeroing per
 4 KiB before a byte is decoded: measured here, that halves a large get (bench/store.py, "get" against
 "get_into"). :func:`empty_f16` puts arrays of at least :data:`MIN_BYTES` on a
-``kvd._kernels.WarmBlock``: when the last array or view using a block is gone, its memory is kept (up to
+``kvd.codec._kernels.WarmBlock``: when the last array or view using a block is gone, its memory is kept (up to
 :func:`cache_bytes`, oldest dropped first) for the next block of about that size, already faulted in.
 
 Safety: a block is only reused after it died, which is after every array and view on it died (numpy keeps
@@ -23,7 +23,7 @@ import numpy as np
 
 _ext: Any
 try:
-    _ext = importlib.import_module("kvd._kernels")
+    _ext = importlib.import_module("kvd.codec._kernels")
 except ImportError:  # not built
     _ext = None
 

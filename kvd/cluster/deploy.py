@@ -1,0 +1,245 @@
+"""Starting, finding and stopping a whole kvd on a connected Ray: the one place the plain actor classes meet
+``ray.remote`` (:func:`actor_class`), :func:`deploy`, :func:`find`, :func:`teardown`, and :func:`wait_until`.
+Every Ray call here has a timeout."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.cluster.coordinator import Coordinator, RayKV
+from kvd.cluster.naming import coordinator_name, shard_ids, shard_name, state_key
+from kvd.config.settings import Config
+from kvd.errors import ConfigError, Timeout
+
+__all__ = ["Deployment", "actor_class", "deploy", "find", "teardown", "wait_until"]
+
+log = logging.getLogger("kvd.deploy")
+
+# A shard process holds its store (capacity, exact) plus Python, Ray worker and numpy: reserve both.
+_SHARD_MEMORY_OVERHEAD = 1.05
+_SHARD_PROCESS_BYTES = 256 << 20
+
+
+def actor_class(kind: str) -> Any:
+    """The Ray actor class for ``"coordinator"`` or ``"shard"``: the one place plain classes meet ray.remote."""
+    import ray
+
+    options: dict[str, Any]
+    if kind == "coordinator":
+        # Threaded: reports and status calls run while the broadcaster waits on shards.
+        options = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 32}
+        return ray.remote(**options)(Coordinator)
+    if kind == "shard":
+        from kvd.cluster.shard import Shard
+
+        options = {"max_restarts": -1, "max_concurrency": 8}
+        return ray.remote(**options)(Shard)
+    raise ValueError(f"unknown actor kind {kind!r}")
+
+
+# ------------------------------------------------------------------------------------------- deployment
+
+
+@dataclass
+class Deployment:
+    """A running kvd: actor handles, the client endpoint, the Ray namespace."""
+
+    namespace: str
+    endpoint: str
+    coordinator: Any
+    shards: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 10.0
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        status: dict[str, Any] = ray.get(self.coordinator.status.remote(), timeout=self.timeout_s)
+        return status
+
+    def shard_stats(self) -> dict[str, dict[str, Any] | Exception]:
+        """``{shard_id: stats dict}`` through Ray (an exception in place of a shard that did not answer)."""
+        import ray
+
+        refs = {sid: h.stats.remote() for sid, h in self.shards.items()}
+        out: dict[str, dict[str, Any] | Exception] = {}
+        for sid, ref in refs.items():
+            try:
+                out[sid] = ray.get(ref, timeout=self.timeout_s)
+            except Exception as exc:  # noqa: BLE001
+                out[sid] = exc
+        return out
+
+
+def _get_actor(name: str, namespace: str) -> Any | None:
+    import ray
+
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 120.0) -> Deployment:
+    """Start a coordinator and ``config.cluster.shards`` shards (SPREAD over the nodes) on the connected Ray.
+
+    ``host``: bind address of every actor, or ``"node"`` for each node's IP. Returns once every shard has
+    registered. Raises ConfigError if a kvd already runs in the namespace, Timeout if it does not come up.
+    """
+    import ray
+
+    cluster = config.cluster
+    ns = cluster.namespace
+    timeout_s = cluster.ray_timeout_s
+    if _get_actor(coordinator_name(), ns) is not None:
+        raise ConfigError(
+            f"a kvd is already running in Ray namespace {ns!r}: `kvd down` it or pick another namespace"
+        )
+    RayKV(state_key(ns)).delete()  # a new cluster starts a new epoch history
+    coordinator = (
+        actor_class("coordinator")
+        .options(
+            name=coordinator_name(),
+            namespace=ns,
+            lifetime="detached",
+            # Pinned to the head: a restarted coordinator comes back at the same address.
+            resources={"node:__internal_head__": 0.001},
+        )
+        .remote(config, host=host)
+    )
+    try:
+        endpoint = ray.get(coordinator.endpoint.remote(), timeout=ready_timeout_s)
+    except ray.exceptions.RayActorError as exc:
+        _kill(coordinator)
+        raise ConfigError(f"the coordinator did not start: {_root_cause(exc)}") from None
+    except Exception:
+        _kill(coordinator)
+        raise
+    deployment = Deployment(namespace=ns, endpoint=endpoint, coordinator=coordinator, timeout_s=timeout_s)
+    shard_cls = actor_class("shard")
+    for sid in shard_ids(cluster.shards):
+        deployment.shards[sid] = shard_cls.options(
+            name=shard_name(sid),
+            namespace=ns,
+            lifetime="detached",
+            num_cpus=cluster.shard_cpus,
+            # Ray's memory resource keeps the scheduler from packing more shards on a node than fit.
+            memory=int(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD) + _SHARD_PROCESS_BYTES,
+            scheduling_strategy="SPREAD",
+        ).remote(sid, config, host=host)
+    try:
+        # Constructors first: a shard that cannot start (bad settings, no free port) fails here at once.
+        for sid, handle in deployment.shards.items():
+            try:
+                ray.get(handle.endpoint.remote(), timeout=ready_timeout_s)
+            except ray.exceptions.RayActorError as exc:
+                raise ConfigError(f"shard {sid} did not start: {_root_cause(exc)}") from None
+            except ray.exceptions.GetTimeoutError:
+                raise Timeout(
+                    f"shard {sid} did not start within {ready_timeout_s:.0f} s: not enough CPU or memory "
+                    f"resources in the Ray cluster? (each shard asks for {cluster.shard_cpus} CPU and "
+                    f"{(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD + _SHARD_PROCESS_BYTES) / 2**30:.2f} "
+                    "GiB of Ray memory)"
+                ) from None
+        wait_until(
+            lambda: _all_registered(deployment, cluster.shards),
+            timeout_s=ready_timeout_s,
+            what=f"{cluster.shards} shards to register",
+        )
+    except BaseException:
+        teardown(ns, timeout_s=timeout_s)
+        raise
+    return deployment
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The last ``SomeError: message`` line of a Ray actor error (the exception raised in the actor)."""
+    lines = [line.strip() for line in str(exc).splitlines() if "Error: " in line or "Exception: " in line]
+    return lines[-1] if lines else str(exc).splitlines()[0]
+
+
+def _all_registered(deployment: Deployment, n: int) -> bool:
+    import ray
+
+    topology = ray.get(deployment.coordinator.topology.remote(), timeout=deployment.timeout_s)
+    return len(topology["shards"]) >= n
+
+
+def find(namespace: str = "kvd", *, timeout_s: float = 10.0) -> Deployment | None:
+    """The kvd running in ``namespace`` on the connected Ray, or None."""
+    import ray
+
+    coordinator = _get_actor(coordinator_name(), namespace)
+    if coordinator is None:
+        return None
+    endpoint = ray.get(coordinator.endpoint.remote(), timeout=timeout_s)
+    topology = ray.get(coordinator.topology.remote(), timeout=timeout_s)
+    deployment = Deployment(namespace=namespace, endpoint=endpoint, coordinator=coordinator, timeout_s=timeout_s)
+    names = {s["id"] for s in topology["shards"]}
+    i = 0
+    while True:  # shards that never registered are found by name too
+        sid = f"shard-{i}"
+        handle = _get_actor(shard_name(sid), namespace)
+        if handle is None and sid not in names:
+            break
+        if handle is not None:
+            deployment.shards[sid] = handle
+        i += 1
+    return deployment
+
+
+def _kill(handle: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("ray.kill failed: %s", exc)
+
+
+def teardown(namespace: str = "kvd", *, timeout_s: float = 10.0) -> int:
+    """Stop the kvd in ``namespace``: shards first (stop serving, then kill), then the coordinator; forget the
+    persisted state. Returns the number of actors stopped (0 if nothing ran)."""
+    import ray
+
+    deployment = find(namespace, timeout_s=timeout_s) if _get_actor(coordinator_name(), namespace) else None
+    handles: list[Any] = []
+    if deployment is not None:
+        handles = [*deployment.shards.values(), deployment.coordinator]
+    else:
+        i = 0
+        while (h := _get_actor(shard_name(f"shard-{i}"), namespace)) is not None:
+            handles.append(h)
+            i += 1
+    stops = []
+    for h in handles:
+        try:
+            stops.append(h.stop.remote())
+        except Exception:  # noqa: BLE001
+            pass
+    if stops:
+        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+    for h in handles:
+        _kill(h)
+    RayKV(state_key(namespace)).delete()
+    return len(handles)
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:
+    """Poll ``predicate`` until it is true; raise :class:`~kvd.errors.Timeout` naming ``what`` after
+    ``timeout_s``. Exceptions from the predicate count as "not yet" (the last one is chained)."""
+    deadline = time.monotonic() + timeout_s
+    last: BaseException | None = None
+    while True:
+        try:
+            if predicate():
+                return
+        except Exception as exc:  # noqa: BLE001 - kvd, socket or Ray errors while an actor starts
+            last = exc
+        if time.monotonic() >= deadline:
+            raise Timeout(f"timed out after {timeout_s:.1f} s waiting for {what}") from last
+        time.sleep(poll_s)
+

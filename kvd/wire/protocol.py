@@ -1,0 +1,418 @@
+"""The kvd wire protocol, sans-IO: messages to ZeroMQ frames and back, with limits (spec: docs/protocol.md).
+
+Theory of operation. A message is a list of frames: frame 0 is a msgpack map (the header), the rest are raw
+binary frames (tensors or encoded pages) whose meaning the header gives. Every message type is a frozen,
+slotted dataclass that validates itself when built, so a message that exists is a valid message. Each class
+lists its header fields as ``(name, check)`` pairs; one generic codec turns the fields into a header map and
+back, and three classes with binary frames (:class:`AppendRequest`, :class:`GetReply`, :class:`GetPagesReply`)
+add their own frame handling. Decoding checks, in order: frame count and header size (cheap, before msgpack
+runs), msgpack with every container limit and no extension types, the header is a flat map with known keys,
+the protocol version, then every field's type (:class:`ProtocolError`) and range (:class:`InvalidArgument`),
+and finally each binary frame against the dtype and shape the header declares. Tensor frames become read-only
+numpy views of the received buffers; outgoing tensors are sent as memoryviews of the caller's arrays, so no
+payload byte is copied on either side. No zmq import here: the server and client own the sockets.
+
+Layout: this module is the codec (opening frames, encoding, decoding) and the public module: it re-exports
+the message classes (:mod:`kvd.wire.messages`), the constants, field checks and :class:`Limits`
+(:mod:`kvd.wire.schema`) and the routing functions (:mod:`kvd.wire.routing`). Import from here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
+from functools import partial
+from typing import Any
+
+import msgpack
+from msgpack.exceptions import StackError
+
+from kvd.errors import InvalidArgument, KvdError, MessageTooLarge, ProtocolError, UnsupportedVersion
+from kvd.wire.messages import (  # noqa: F401 - messages re-exported: kvd.protocol is the public module
+    _ALL,
+    _DEFAULTS,
+    _FIELD_NAMES,
+    _GET_REPLIES,
+    _REPLIES,
+    REQUESTS,
+    AppendReply,
+    AppendRequest,
+    DropReply,
+    DropRequest,
+    ErrorReply,
+    ExplainReply,
+    ExplainRequest,
+    GetPagesReply,
+    GetReply,
+    GetRequest,
+    HelloReply,
+    HelloRequest,
+    LengthReply,
+    LengthRequest,
+    PingReply,
+    PingRequest,
+    RegisterReply,
+    RegisterRequest,
+    Reply,
+    Request,
+    StatsReply,
+    StatsRequest,
+    TopologyReply,
+    TopologyRequest,
+    _Message,
+)
+from kvd.wire.routing import owner, rendezvous_score  # noqa: F401 - kept importable as kvd.protocol.owner
+from kvd.wire.schema import (  # noqa: F401 - constants re-exported: kvd.protocol is the public module
+    _MIN_ARRAY_LEN,
+    _MIN_HEADER_BYTES,
+    DEFAULT_LIMITS,
+    DEFAULT_MAX_FRAME_BYTES,
+    DEFAULT_MAX_FRAMES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PAGES,
+    DTYPES,
+    GET_FORMATS,
+    MAX_ERROR_MESSAGE_BYTES,
+    MAX_INDEX,
+    MAX_NAMESPACE_BYTES,
+    MAX_POSITION,
+    MAX_REQUEST_ID,
+    MAX_SEQ_ID_BYTES,
+    MAX_SHARDS,
+    MAX_STATS_KEYS,
+    MAX_TEXT_BYTES,
+    PROTOCOL_MINOR,
+    PROTOCOL_VERSION,
+    SERVER_ROLES,
+    Check,
+    Frame,
+    Limits,
+    PageEntry,
+    SeqId,
+    as_array,
+    byte_view,
+    check_request_id,
+    check_short_text,
+    frame_tensor,
+    int_in,
+    is_int,
+    plain_int,
+    show,
+    tensor_frame,
+    tensors_from_wire,
+    text_in,
+    wire_array,
+    wire_dtype_name,
+)
+
+_PAYLOAD_NAMES = {
+    c: tuple(f.name for f in fields(c) if f.name != "request_id" and f.name not in dict(c.FIELDS)) for c in _ALL
+}  # the fields _from_payload fills (or their defaults)
+_ENVELOPES: tuple[tuple[str, ...], ...] = (("v", "id", "op"), ("v", "id", "op", "ok"), ("v", "id", "ok"))
+_KNOWN: dict[tuple[type[_Message], tuple[str, ...]], frozenset[str]] = {  # header keys each message may have
+    (c, env): frozenset((*env, *(name for name, _ in c.FIELDS), *c.EXTRA_KEYS)) for c in _ALL for env in _ENVELOPES
+}
+
+
+def error_reply(request_id: Any, exc: BaseException) -> ErrorReply:
+    """The error reply for ``exc``; a non-kvd exception becomes code 1 (KvdError), naming its type."""
+    if isinstance(exc, KvdError):
+        code, name, message = exc.code, type(exc).__name__, str(exc)
+    else:
+        code, name, message = KvdError.code, "KvdError", f"internal error: {type(exc).__name__}: {exc}"
+    raw = message.encode("utf-8", "replace")
+    if len(raw) > MAX_ERROR_MESSAGE_BYTES:
+        message = raw[: MAX_ERROR_MESSAGE_BYTES - 3].decode("utf-8", "ignore") + "..."
+    else:
+        message = raw.decode("utf-8")
+    valid_id = is_int(request_id) and 0 <= int(request_id) <= MAX_REQUEST_ID
+    return ErrorReply(request_id=int(request_id) if valid_id else None, code=code, error=name, message=message)
+
+
+# ---- frames and msgpack: the checks before any field is looked at ---------------------------------------------
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ProtocolError(f"msgpack extension type {code} is not allowed in a header")
+
+
+def _pairs(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ProtocolError("header has a map with a duplicate key")
+    return out
+
+
+def _declared_map_len(head: memoryview) -> int:
+    """The entry count msgpack declares for a header that starts with a map (-1 if it does not)."""
+    first = head[0] if len(head) else 0
+    if 0x80 <= first <= 0x8F:
+        return first & 0x0F
+    if first == 0xDE and len(head) >= 3:
+        return int.from_bytes(head[1:3], "big")
+    if first == 0xDF and len(head) >= 5:
+        return int.from_bytes(head[1:5], "big")
+    return -1
+
+
+def _has_nested_map(header: dict[Any, Any]) -> bool:
+    for v in header.values():
+        if type(v) is dict:
+            return True
+        if type(v) is list:
+            for item in v:
+                if type(item) is dict:
+                    return True
+    return False
+
+
+@functools.lru_cache(maxsize=16)
+def _unpack_options(max_bytes: int, max_array_len: int) -> dict[str, Any]:
+    return dict(
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        ext_hook=_refuse_ext,
+        max_str_len=max_bytes,
+        max_bin_len=max_bytes,
+        max_ext_len=0,
+        max_array_len=max_array_len,
+        max_map_len=MAX_STATS_KEYS,
+    )
+
+
+def unpack_header(head: memoryview, *, max_bytes: int, max_array_len: int) -> Any:
+    """The msgpack object in ``head`` with every container limit, no extension types and no duplicate map key.
+
+    Raises :class:`ProtocolError` naming what msgpack refused (never anything else).
+    """
+    options = _unpack_options(max_bytes, max_array_len)
+    try:
+        header = msgpack.unpackb(head, **options)
+        # duplicate keys: the top-level map is checked by its declared size; a header with nested maps (info
+        # maps, topology shards: replies only) is decoded again with a hook that checks every map
+        if type(header) is dict and (len(header) != _declared_map_len(head) or _has_nested_map(header)):
+            header = msgpack.unpackb(head, object_pairs_hook=_pairs, **options)
+    except KvdError:
+        raise
+    except Exception as exc:  # msgpack raises ValueError, TypeError, UnicodeDecodeError, StackError, ...
+        why = str(exc)[:200] or ("nested too deeply" if isinstance(exc, StackError) else "")
+        raise ProtocolError(f"header is not valid msgpack: {type(exc).__name__}: {why}") from None
+    return header
+
+
+# ---- opening a message -------------------------------------------------------------------------------------
+
+
+def check_limits(sizes: Sequence[int], limits: Limits) -> None:
+    """Frame count and sizes (``sizes[0]`` is the header) against ``limits``: :class:`MessageTooLarge` naming
+    the limit."""
+    if len(sizes) > limits.max_frames:
+        raise MessageTooLarge(f"message has {len(sizes)} frames, more than max_frames {limits.max_frames}")
+    if sizes[0] > limits.max_header_bytes:
+        raise MessageTooLarge(f"header is {sizes[0]} bytes, more than max_header_bytes {limits.max_header_bytes}")
+    total = sizes[0]
+    max_frame = limits.max_frame_bytes
+    for i in range(1, len(sizes)):
+        size = sizes[i]
+        total += size
+        if size > max_frame:
+            raise MessageTooLarge(f"frame {i} is {size} bytes, more than max_frame_bytes {max_frame}")
+    if total > limits.max_message_bytes:
+        raise MessageTooLarge(f"message is {total} bytes, more than max_message_bytes {limits.max_message_bytes}")
+
+
+class DecodeContext:
+    """What a failed decode could still read: the request id, for the error reply."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self) -> None:
+        self.request_id: int | None = None
+
+
+def open_message(frames: Any, limits: Limits, ctx: DecodeContext) -> tuple[dict[Any, Any], list[Frame]]:
+    """Frame count and sizes, then msgpack: the checks shared by requests and replies."""
+    if not isinstance(frames, (list, tuple)) or not frames:
+        raise ProtocolError("a message is a non-empty list of frames (the header first)")
+    head = byte_view(frames[0], "header frame")
+    if head.nbytes > limits.max_header_bytes:
+        raise MessageTooLarge(
+            f"header is {head.nbytes} bytes, more than max_header_bytes {limits.max_header_bytes}"
+        )
+    header = unpack_header(
+        head, max_bytes=limits.max_header_bytes, max_array_len=max(limits.max_pages, _MIN_ARRAY_LEN)
+    )
+    if type(header) is not dict:
+        raise ProtocolError(f"header must be a msgpack map, got {show(header)}")
+    rid = header.get("id")
+    if type(rid) is int and 0 <= rid <= MAX_REQUEST_ID:
+        ctx.request_id = rid  # from here on an error reply can name the request
+    for key in header:
+        if type(key) is not str:
+            raise ProtocolError(f"header keys must be strings, got {show(key)}")
+    if len(frames) > limits.max_frames:
+        raise MessageTooLarge(f"message has {len(frames)} frames, more than max_frames {limits.max_frames}")
+    views: list[Frame] = []
+    sizes = [head.nbytes]
+    for i in range(1, len(frames)):  # a pages reply has thousands: keep this loop lean
+        frame = frames[i]
+        # bytes are immutable and already ours, a 1-D byte memoryview is already a view: kept as they are
+        if type(frame) is not bytes and not (
+            type(frame) is memoryview and frame.format == "B" and frame.ndim == 1
+        ):
+            frame = byte_view(frame, f"frame {i}")
+        views.append(frame)
+        sizes.append(len(frame))
+    check_limits(sizes, limits)
+    if type(header.get("v")) is not int and not is_int(header.get("v")):
+        raise ProtocolError(f"header field v (protocol version) must be an integer, got {show(header.get('v'))}")
+    return header, views
+
+
+_packb = partial(msgpack.packb, use_bin_type=True)
+
+
+# ---- encoding ------------------------------------------------------------------------------------------------
+
+
+def _encode(msg: _Message, envelope: dict[str, Any], limits: Limits | None) -> list[Frame]:
+    header = envelope
+    for name, _check in msg.FIELDS:
+        header[name] = getattr(msg, name)
+    if msg.FRAMES == 0 and not msg.EXTRA_KEYS:
+        out: list[Frame] = [_packb(header)]
+    else:
+        extra, frames = msg._payload()
+        header.update(extra)
+        out = [_packb(header), *frames]
+    if limits is not None:
+        check_limits([len(f) for f in out], limits)  # every frame is bytes or a 1-D byte memoryview
+    return out
+
+
+def encode_request(request: Request, limits: Limits | None = None) -> list[Frame]:
+    """Frames for ``request`` (a DEALER sends them as one multipart message); tensors are not copied.
+
+    With ``limits``, raises :class:`MessageTooLarge` if the message would not fit them.
+    """
+    if type(request) not in REQUESTS.values():
+        raise InvalidArgument(f"not a request message: {type(request).__name__}")
+    return _encode(request, {"v": PROTOCOL_VERSION, "id": request.request_id, "op": request.OP}, limits)
+
+
+def encode_reply(reply: Reply, limits: Limits | None = None) -> list[Frame]:
+    """Frames for ``reply`` (pages and tensors are not copied). With ``limits``, raises
+    :class:`MessageTooLarge` if the reply would not fit them (the server then sends that error instead)."""
+    if isinstance(reply, ErrorReply):
+        return _encode(reply, {"v": PROTOCOL_VERSION, "id": reply.request_id, "ok": False}, limits)
+    if type(reply) not in (*_REPLIES.values(), GetReply, GetPagesReply):
+        raise InvalidArgument(f"not a reply message: {type(reply).__name__}")
+    return _encode(reply, {"v": PROTOCOL_VERSION, "id": reply.request_id, "op": reply.OP, "ok": True}, limits)
+
+
+# ---- decoding ------------------------------------------------------------------------------------------------
+
+
+def _check_version(header: Mapping[Any, Any]) -> None:
+    if header["v"] != PROTOCOL_VERSION:
+        raise UnsupportedVersion(
+            f"protocol version {header['v']} is not supported; this side speaks {PROTOCOL_VERSION}"
+        )
+
+
+def _build(
+    cls: type[_Message], header: dict[Any, Any], frames: list[Frame], limits: Limits, envelope: tuple[str, ...]
+) -> Any:
+    """The message of class ``cls`` from a header already past :func:`_open`; validates every field once."""
+    known = _KNOWN[cls, envelope]
+    for key in header:
+        if key not in known:
+            unknown = [str(k)[:80] for k in header if k not in known][:8]
+            raise ProtocolError(f"{cls.OP or 'error reply'}: unknown header keys {unknown}")
+    if cls.FRAMES is not None and len(frames) != cls.FRAMES:
+        raise ProtocolError(
+            f"{cls.OP or 'error reply'}: expected {cls.FRAMES} frames after the header, got {len(frames)}"
+        )
+    if "id" not in header:
+        raise ProtocolError(f"{cls.OP or 'error reply'}: missing header field 'id'")
+    rid = header["id"]
+    msg = object.__new__(cls)
+    setattr_ = object.__setattr__
+    setattr_(
+        msg,
+        "request_id",
+        None if rid is None and cls is ErrorReply else check_request_id("id", rid, ProtocolError),
+    )
+    defaults = _DEFAULTS[cls]
+    optional = cls.OPTIONAL
+    for name, check in cls.FIELDS:
+        value = header.get(name)
+        if value is None and name in optional:
+            setattr_(msg, name, check(name, defaults[name], ProtocolError))  # normalises, e.g. details -> {}
+        elif value is not None or name in header:
+            setattr_(msg, name, check(name, value, ProtocolError))
+        else:
+            raise ProtocolError(f"{cls.OP or 'error reply'}: missing header field {name!r}")
+    payload = cls._from_payload(header, frames, limits)
+    for name in _PAYLOAD_NAMES[cls]:
+        setattr_(msg, name, payload[name] if name in payload else defaults[name])
+    msg._cross_check(wire=True)
+    return msg
+
+
+def _decode_request(frames: Any, limits: Limits, ctx: DecodeContext) -> Request:
+    header, rest = open_message(frames, limits, ctx)
+    _check_version(header)
+    op = header.get("op")
+    if not isinstance(op, str) or op not in REQUESTS:
+        raise ProtocolError(f"op must be one of {', '.join(REQUESTS)}, got {show(op)}")
+    return _build(REQUESTS[op], header, rest, limits, ("v", "id", "op"))
+
+
+def decode_request(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Request:
+    """The request in ``frames``, a list of bytes-like frames (header first, the ROUTER identity removed).
+
+    Tensors and pages are zero-copy views of the frames (which they keep alive; read-only if the frames are).
+
+    Raises :class:`ProtocolError` (malformed), :class:`MessageTooLarge`, :class:`UnsupportedVersion` or
+    :class:`InvalidArgument` (a value out of range), each naming the field and value; never anything else.
+    """
+    return _decode_request(frames, limits, DecodeContext())
+
+
+def parse_request(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Request | ErrorReply:
+    """Like :func:`decode_request`, but a bad request becomes the :class:`ErrorReply` to send back (carrying
+    the request id whenever the header had a readable one). For the server loop: it never raises."""
+    ctx = DecodeContext()
+    try:
+        return _decode_request(frames, limits, ctx)
+    except KvdError as exc:
+        return error_reply(ctx.request_id, exc)
+
+
+def decode_reply(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Reply:
+    """The reply in ``frames`` (an :class:`ErrorReply` for a failed request: call ``.exception()``).
+
+    Raises the same errors as :func:`decode_request` when the reply itself is malformed.
+    """
+    header, rest = open_message(frames, limits, DecodeContext())
+    ok = header.get("ok")
+    if ok is False:  # the error reply is the same in every protocol version, so it is read whatever v says
+        return _build(ErrorReply, header, rest, limits, ("v", "id", "ok"))
+    if ok is not True:
+        raise ProtocolError(f"reply field ok must be a boolean, got {show(ok)}")
+    _check_version(header)
+    op = header.get("op")
+    if op == "get":
+        fmt = header.get("format")
+        if not isinstance(fmt, str) or fmt not in _GET_REPLIES:
+            raise ProtocolError(f"get reply format must be one of {', '.join(GET_FORMATS)}, got {show(fmt)}")
+        cls = _GET_REPLIES[fmt]
+    elif isinstance(op, str) and op in _REPLIES:
+        cls = _REPLIES[op]
+    else:
+        raise ProtocolError(f"reply op must be one of {', '.join(REQUESTS)}, got {show(op)}")
+    return _build(cls, header, rest, limits, ("v", "id", "op", "ok"))
