@@ -1,4 +1,5 @@
-"""Re-compression of a store's cold pages after a level rise (the job :meth:`Store.compact` does).
+"""Re-compression of a store's cold pages: after a level rise (:meth:`Compaction.compact`), and when an append
+does not fit (:meth:`Compaction._squeeze`).
 
 Theory of operation: rows enter the store's compaction log in the order they become eligible (sealed, out of the
 window, not protected), which is their age order. After a level rise, :meth:`Compaction.compact` walks the log
@@ -7,6 +8,16 @@ byte budget per call, so no request waits for a whole pass. A page moves only up
 it smaller; the old buffer is freed, not pooled, because compaction runs to free memory. Re-encoding an 8-bit
 page to q4 quantizes a second time: its error is q4's plus the 8-bit error it already had.
 
+*Compress before forgetting.* An append that does not fit first *squeezes* the store: it compacts, oldest first,
+toward the level in force, and when nothing is left to compact there it raises the store's own level one rung
+(never past ``max_level``, the most compact level the policy allows) and goes on, until the append fits or
+nothing more can be compressed. Only then may it evict (LRU) or be refused. The shard then runs *ahead* of the
+cluster's level: it reports so, the coordinator's pressure (the fullest shard counts) catches the cluster up,
+and the lead ends when an order reaches its level or steps the cluster down (the coordinator steps down only
+when the data, re-counted at the lower level's density, fits: kvd.policy). Pages sealed or re-encoded ahead are
+flagged in their trailer, so ``explain`` says why. The work an append pays is proportional to the bytes it
+needs: each page re-encoded frees 40-70% of itself (8-bit -> q4, fp16 -> 8-bit, fp16 -> q4).
+
 This is a mixin of :class:`kvd.store.Store`, split out because it is a job of its own; it relies on the store's
 lock, ledger, log, namespaces, level format and epoch. Pure core: no Ray, no ZeroMQ.
 """
@@ -14,8 +25,10 @@ lock, ledger, log, namespaces, level format and epoch. Pure core: no Ray, no Zer
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvd.policy import Level
 from kvd.store import pool as sp
 from kvd.store.sequences import Namespace, Seq, int_arg
 
@@ -34,9 +47,18 @@ class Compaction:
     _log: store_seq.CompactionLog
     _ns: dict[str, Namespace]
     _fmt: str
+    _level: Level
+    _ordered: Level
+    _ahead: Level | None
+    _ahead_reason: str
+    _level_reason: str
+    _max_rung: int
     _epoch: int
     _recompressed_pages: int
     _recompressed_bytes: int
+    _squeezes: int
+    _squeezed_bytes: int
+    _aheads: int
 
     if TYPE_CHECKING:  # provided by Store
 
@@ -44,6 +66,12 @@ class Compaction:
             self, ns: Namespace, fmt: str, kp: np.ndarray, vp: np.ndarray, layer: int, row: int, taken: sp.Taken,
             flags: int,
         ) -> bytearray: ...  # fmt: skip
+
+        def _prune_log(self, *, force: bool) -> None: ...
+
+        def _set_level_in_force(self, level: Level) -> None: ...
+
+        def _rung_level(self, rung: int) -> Level: ...
 
     def compact(self, budget_bytes: int) -> int:
         """Re-encode, oldest first, sealed unprotected pages on a lower rung than the level in force, until the
@@ -55,24 +83,68 @@ class Compaction:
         with self._lock:
             if not self._backlog_bytes():
                 return 0
-            before, spent, log = self._ledger.used, 0, self._log
-            while log.cursor < len(log.entries):
-                seq, r = log.entries[log.cursor]
-                for i in seq.ns.quant_layers if seq.alive else ():
-                    rec = seq.pages[i][r]
-                    if not self._shrinks(seq.ns, sp.current_fmt(rec)):
-                        continue
-                    if spent + len(rec) > budget:
-                        return before - self._ledger.used
-                    if self._ledger.used + seq.ns.rec_bytes[self._fmt] > self.capacity_bytes:
-                        # The new page exists for an instant next to the old one. A full store still compacts
-                        # (that is how it stops being full): one page of transient overshoot, which
-                        # used_bytes never shows, and only after the pool is emptied.
-                        self._ledger.pool.clear()
-                    spent += len(rec)
-                    self._recompress(seq, i, r, rec)
-                log.cursor += 1
+            before, spent = self._ledger.used, [0]
+
+            def over_budget(rec: bytearray) -> bool:
+                if spent[0] + len(rec) > budget:
+                    return True
+                spent[0] += len(rec)
+                return False
+
+            self._compact_pages(over_budget)
             return before - self._ledger.used
+
+    def _compact_pages(self, stop: Callable[[bytearray], bool]) -> None:
+        """Walk the log from its cursor, re-encoding every page that shrinks at the level in force, until
+        ``stop(record)`` (asked before each page) says so or the log ends."""
+        log = self._log
+        while log.cursor < len(log.entries):
+            seq, r = log.entries[log.cursor]
+            for i in seq.ns.quant_layers if seq.alive else ():
+                rec = seq.pages[i][r]
+                if not self._shrinks(seq.ns, sp.current_fmt(rec)):
+                    continue
+                if stop(rec):
+                    return
+                if self._ledger.used + seq.ns.rec_bytes[self._fmt] > self.capacity_bytes:
+                    # The new page exists for an instant next to the old one. A full store still compacts
+                    # (that is how it stops being full): one page of transient overshoot, which
+                    # used_bytes never shows, and only after the pool is emptied.
+                    self._ledger.pool.clear()
+                self._recompress(seq, i, r, rec)
+            log.cursor += 1
+
+    def _can_squeeze(self) -> bool:
+        """Whether compression could still free memory: a page awaits re-encoding, or the level may rise."""
+        return sp.RUNG[self._fmt] < self._max_rung or self._backlog_bytes() > 0
+
+    def _squeeze(self, need: int) -> bool:
+        """Compress until ``need`` more bytes fit or nothing more can be compressed (module docstring). Returns
+        whether the level in force changed (the caller re-plans what it seals). The caller holds the lock and
+        has checked its data: a refused append must not change the level."""
+        cap, led = self.capacity_bytes, self._ledger
+        before, level = led.used, self._level
+        led.pool.clear()
+        self._prune_log(force=True)
+        while led.used + need > cap:
+            if self._backlog_bytes():
+                self._compact_pages(lambda _rec: led.used + need <= cap)
+                if led.used + need <= cap:
+                    break
+            rung = sp.RUNG[self._fmt]
+            if rung >= self._max_rung:
+                break
+            ahead = self._rung_level(rung + 1)
+            self._ahead = ahead
+            self._aheads += 1
+            self._ahead_reason = self._level_reason = (
+                f"an append needed {need} bytes with {led.used} of {cap} used at {self._fmt}: running ahead of "
+                f"the cluster's {self._ordered.tag} (epoch {self._epoch}) at {ahead.tag}"
+            )
+            self._set_level_in_force(ahead)
+        self._squeezes += 1
+        self._squeezed_bytes += before - led.used
+        return self._level is not level
 
     def _shrinks(self, ns: Namespace, fmt: str) -> bool:
         """Whether a page of ``fmt`` awaits re-encoding at the level in force (a higher rung, fewer bytes)."""
@@ -92,7 +164,7 @@ class Compaction:
             self._ledger.give_back(taken)
             raise
         self._ledger.adopt(taken)
-        sp.copy_trailer_recompressed(old, rec, epoch=self._epoch, fmt=fmt)
+        sp.copy_trailer_recompressed(old, rec, epoch=self._epoch, fmt=fmt, ahead=self._ahead is not None)
         seq.pages[layer][row] = rec
         ns.backlog[sp.current_fmt(old)] -= len(old)
         ns.backlog[fmt] += len(rec)

@@ -24,19 +24,23 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   error is that of q4 plus the 8-bit error it already had. Level drops only change new pages.
 * **Accounting.** ``used_bytes`` = every record's length + every hot tail's full size + the pool's free buffers
   + stated metadata charges (:mod:`kvd.store.pool`: per page, per logged row, per sequence and layer, per
-  namespace). An append computes the bytes it will allocate before touching anything. If they do not fit it
-  refuses with :class:`~kvd.errors.OutOfMemory` when no room can be made (``eviction="none"`` and the pool
-  emptied is not enough, or the sequence alone cannot fit); otherwise it builds its pages first, then empties
-  the pool and evicts least-recently-used whole sequences (never the sequence being appended to) until they
-  fit, then commits (:mod:`kvd.store.evict`). The check counts the peak (new buffers are allocated before the
-  ones they replace are freed), so ``used_bytes`` never exceeds ``capacity_bytes``; while an evicting append
-  runs, the process holds that append's new pages beyond the capacity (as a Redis command may exceed
-  ``maxmemory`` by its own size), the price of not reading the tokens once more to refuse NaN/Inf first.
+  namespace). An append computes the bytes it will allocate before touching anything. If they do not fit, it
+  first compresses: the oldest pages are re-encoded toward the level in force, and the store's own level rises
+  one rung at a time up to ``max_level`` (it runs *ahead* of the ordered level; :mod:`kvd.store.compact`).
+  Only if that is not enough it refuses with :class:`~kvd.errors.OutOfMemory` when no room can be made
+  (``eviction="none"`` and the pool emptied is not enough, or the sequence alone cannot fit); otherwise it
+  builds its pages first, then empties the pool and evicts least-recently-used whole sequences (never the
+  sequence being appended to) until they fit, then commits (:mod:`kvd.store.evict`). The check counts the
+  peak (new buffers are allocated before the ones they replace are freed), so ``used_bytes`` never exceeds
+  ``capacity_bytes``; while an evicting append runs, the process holds that append's new pages beyond the
+  capacity (as a Redis command may exceed ``maxmemory`` by its own size), the price of not reading the tokens
+  once more to refuse NaN/Inf first.
 * **All or nothing.** An append validates shapes and dtypes, then builds every new buffer (pages it seals, pages
   leaving the window, a new tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
   tokens that will sit in the hot tail are checked before they are copied; either way the error names the
   value as ``keys[layer, token, head, dim]``. Only then does it make room and commit, with operations that
-  cannot fail. On any error the new buffers go back where they came from and nothing was evicted.
+  cannot fail. On any error the new buffers go back where they came from and nothing was evicted (a valid
+  append refused for want of room may have re-compressed pages first: that changes no token's presence).
 
 Defaults, measured (bench/store.py; module docstring of kvd.pages for the codec):
 ``page_tokens=64`` matches the q8 key group of 64 tokens (8.25 bits per value; with 32 the format costs 8.5
@@ -103,7 +107,9 @@ class Store(Compaction, Eviction):
     ``page_tokens`` (P, default 64), ``window_tokens`` (default 0), ``sink_tokens`` (default 4),
     ``raw_layers`` / ``raw_heads`` (indices kept fp16 in every namespace; registering a layout they do not
     fit is refused), ``eviction`` (``"lru"`` or ``"none"``), ``eight_bit`` (the 8-bit rung's page format:
-    ``"q8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``). Bad options raise :class:`~kvd.errors.ConfigError`.
+    ``"q8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``), ``max_level`` (the most compact level an append that does not
+    fit may compress to before it evicts or is refused: the policy's ``max_level``, default q4; fp16 turns
+    compression under pressure off). Bad options raise :class:`~kvd.errors.ConfigError`.
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class Store(Compaction, Eviction):
         raw_heads: Iterable[int] = (),
         eviction: str = "lru",
         eight_bit: str = "q8",
+        max_level: Level | str = Level.Q4,
     ) -> None:
         self.capacity_bytes = int_arg("capacity_bytes", capacity_bytes, 1, None, ConfigError)
         self.page_tokens = int_arg("page_tokens", page_tokens, 1, 65535, ConfigError)
@@ -130,19 +137,29 @@ class Store(Compaction, Eviction):
             raise ConfigError(f"eight_bit must be one of {EIGHT_BIT_FORMATS}, got {eight_bit!r}")
         self.eviction = eviction
         self.eight_bit = eight_bit
+        try:
+            self.max_level = Level.parse(max_level)
+        except InvalidArgument as exc:
+            raise ConfigError(f"max_level: {exc}") from None
+        self._max_rung = self.max_level.rung
         self._sink_rows = -(-self.sink_tokens // self.page_tokens)  # rows holding any sink token
         self._lock = threading.RLock()
         self._ns: dict[str, Namespace] = {}
         self._seqs: OrderedDict[tuple[str, SeqId], Seq] = OrderedDict()  # least recently used first
         self._ledger = sp.Ledger(min(sp.POOL_MAX_BYTES, self.capacity_bytes // sp.POOL_CAPACITY_DIVISOR))
         self._log = store_seq.CompactionLog()
-        self._level = Level.FP16
+        self._level = Level.FP16  # in force: the order's level, or the shard's own lead (`_ahead`) above it
+        self._ordered = Level.FP16  # the level of the newest order (what `_epoch` means)
+        self._ahead: Level | None = None
+        self._ahead_reason = ""
+        self._level_reason = ""  # why the level in force is what it is: the last order's reason, or the lead's
         self._fmt = RAW
         self._epoch = 0
         self._ns_meta = 0
         self._tokens = 0
         self._appends = self._gets = self._evictions = self._evicted_tokens = self._refusals = 0
         self._recompressed_pages = self._recompressed_bytes = self._window_encodes = 0
+        self._squeezes = self._squeezed_bytes = self._aheads = 0
 
     # ------------------------------------------------------------------------------------------ levels
 
@@ -157,21 +174,54 @@ class Store(Compaction, Eviction):
             return self.eight_bit
         return "fp8_e4m3"
 
-    def set_level(self, level: Level | str, epoch: int) -> bool:
+    def set_level(self, level: Level | str, epoch: int, reason: str = "") -> bool:
         """Apply a level order. Returns True if applied; False if ``epoch`` is older than the newest applied or
         it repeats the current (epoch, level). The same epoch with another level is applied (last one wins).
-        A rise makes older pages compaction backlog (see :meth:`compact`); a drop changes only new pages."""
+        A rise makes older pages compaction backlog (see :meth:`compact`); a drop changes only new pages.
+        ``reason``: why the order was given (the coordinator's words), kept for ``stats()["level_reason"]``.
+
+        A store running ahead under its own pressure (kvd.store.compact) keeps its lead through an order below
+        it, unless the order steps the cluster down (demand fell); an order at or above the lead ends it."""
         lv = Level.parse(level)
         ep = int_arg("epoch", epoch, 0, MAX_EPOCH)
         with self._lock:
-            if ep < self._epoch or (ep == self._epoch and lv is self._level):
+            if ep < self._epoch or (ep == self._epoch and lv is self._ordered):
                 return False
-            self._epoch = ep
-            if lv is not self._level:
-                self._level = lv
-                self._fmt = self.format_for(lv)
-                self._log.cursor = 0
+            step_down = lv.rung < self._ordered.rung
+            self._epoch, self._ordered = ep, lv
+            if self._ahead is not None and (step_down or lv.rung >= self._ahead.rung):
+                self._ahead, self._ahead_reason = None, ""
+            self._set_level_in_force(lv if self._ahead is None else self._ahead)
+            if self._ahead is None:
+                self._level_reason = f"order of epoch {ep}: {reason}" if reason else f"order of epoch {ep}"
             return True
+
+    def _set_level_in_force(self, level: Level) -> None:
+        if level is not self._level:
+            self._level = level
+            self._fmt = self.format_for(level)
+            self._log.cursor = 0
+
+    def _rung_level(self, rung: int) -> Level:
+        """The level of ``rung`` (0 fp16, 1 the 8-bit rung of ``eight_bit``, 2 q4)."""
+        return (Level.FP16, Level.Q8 if self.eight_bit == "q8" else Level.FP8, Level.Q4)[rung]
+
+    def used_by_rung(self) -> tuple[int, int, int]:
+        """``used_bytes`` if every unprotected sealed page more compact than each rung (fp16, 8-bit, q4) were
+        stored at that rung: what the data would take at a less compact level. The policy steps down only
+        when this fits (kvd.policy), so the memory compression freed does not pass for a drop in demand."""
+        with self._lock:
+            used = self._ledger.used
+            out = []
+            for rung in range(3):
+                target = self.format_for(self._rung_level(rung))
+                extra = 0
+                for ns in self._ns.values():
+                    for fmt, b in ns.backlog.items():
+                        if b and sp.RUNG[fmt] > rung:
+                            extra += b // ns.rec_bytes[fmt] * ns.rec_bytes[target] - b
+                out.append(used + extra)
+            return out[0], out[1], out[2]
 
     # ------------------------------------------------------------------------------------------ namespaces
 
@@ -245,7 +295,7 @@ class Store(Compaction, Eviction):
     def _append(
         self, ns: Namespace, key: tuple[str, SeqId], seq: Seq | None, k16: np.ndarray, v16: np.ndarray
     ) -> Seq:
-        p, t, sink_rows, lf = self.page_tokens, k16.shape[1], self._sink_rows, self._fmt
+        p, t, sink_rows = self.page_tokens, k16.shape[1], self._sink_rows
         n = seq.length if seq is not None else 0
         n2 = n + t
         f, r0, f2, r2 = n % p, n // p, n2 % p, n2 // p
@@ -266,22 +316,30 @@ class Store(Compaction, Eviction):
         wd = seq.window_done if seq is not None else 0
         rows = range(r0, r2)  # rows this append seals
         exits = [r for r in range(wd, min(r0, out2)) if r >= sink_rows]  # sealed rows leaving the window
-        recode = lf != RAW and bool(ns.quant_layers)  # leaving the window means re-encoding at the level
         new_tail = f == 0 and f2 > 0
 
-        # 1. what this append allocates at its peak (nothing is touched yet)
-        plans = [self._row_plan(ns, r, out2) for r in rows]
-        need = sum(plan.need for plan in plans)
-        logged = [r for r in range(wd, out2) if self._loggable(ns, r)]
-        need += sp.ROW_META_BYTES * len(logged)
-        need += len(exits) * len(ns.quant_layers) * ns.rec_bytes[lf] if recode else 0
-        need += ns.tail_bytes + sp.TAIL_META_BYTES if new_tail else 0
-        need += ns.seq_meta if seq is None else 0
+        def plan() -> tuple[list[store_seq.RowPlan], int]:
+            """1. what this append allocates at its peak, at the level in force (nothing is touched yet)"""
+            plans = [self._row_plan(ns, r, out2) for r in rows]
+            need = sum(plan.need for plan in plans)
+            logged = [r for r in range(wd, out2) if self._loggable(ns, r)]
+            need += sp.ROW_META_BYTES * len(logged)
+            need += len(exits) * len(ns.quant_layers) * ns.rec_bytes[self._fmt] if self._fmt != RAW else 0
+            need += ns.tail_bytes + sp.TAIL_META_BYTES if new_tail else 0
+            need += ns.seq_meta if seq is None else 0
+            return plans, need
 
-        def validate() -> None:  # a full pass, only paid when the append is refused for want of room
+        def validate() -> None:  # a full pass, only paid when the append does not fit
             sp.refuse_nonfinite(k16, "keys", n)
             sp.refuse_nonfinite(v16, "values", n)
 
+        plans, need = plan()
+        if self._ledger.used + need > self.capacity_bytes and self._can_squeeze():
+            validate()  # bad data changes nothing, not even the level
+            if self._squeeze(need):  # compress before forgetting (kvd.store.compact)
+                plans, need = plan()
+        lf = self._fmt
+        recode = lf != RAW and bool(ns.quant_layers)  # leaving the window means re-encoding at the level
         evict = self._admit(need, seq, key, t, validate)
 
         # 2. build everything off to the side
@@ -310,12 +368,13 @@ class Store(Compaction, Eviction):
                 jobs.append((recs, plan.layers, plan.batch, src_k, src_v, a, r))
                 sealed.append((recs, plan))
             sp.seal_rows(jobs, p, parallel=len(jobs) * ns.tail_bytes >= page_batch.PARALLEL_MIN_BYTES)
+            exit_flags = sp.FLAG_WINDOW | self._ahead_flag()
             for r in exits if recode else ():
                 assert seq is not None
                 for i in ns.quant_layers:
                     old = seq.pages[i][r]
                     kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
-                    swaps.append((i, r, self._seal(ns, lf, kp, vp, i, r, taken, sp.FLAG_WINDOW)))
+                    swaps.append((i, r, self._seal(ns, lf, kp, vp, i, r, taken, exit_flags)))
             if new_tail:
                 tail = self._ledger.take_tail(ns.tail_shape, taken)
                 np.copyto(tail[0, :, :f2], k16[:, t - f2 :])
@@ -378,7 +437,10 @@ class Store(Compaction, Eviction):
             return ns.plan(RAW, 0, self._epoch)
         if row >= out_rows:
             return ns.plan(RAW, sp.FLAG_WINDOW, self._epoch)
-        return ns.plan(self._fmt, 0, self._epoch)
+        return ns.plan(self._fmt, self._ahead_flag(), self._epoch)
+
+    def _ahead_flag(self) -> int:
+        return sp.FLAG_AHEAD_SEALED if self._ahead is not None and self._fmt != RAW else 0
 
     def _seal(
         self, ns: Namespace, fmt: str, kp: np.ndarray, vp: np.ndarray, layer: int, row: int, taken: sp.Taken,
@@ -518,9 +580,13 @@ class Store(Compaction, Eviction):
     def stats(self) -> dict[str, Any]:
         """A consistent snapshot. Bytes: ``used_bytes`` (= ``page_bytes`` + ``tail_bytes`` + ``pool_bytes`` +
         ``metadata_bytes``), ``capacity_bytes``, ``pressure`` (used / capacity), ``compaction_backlog_bytes``,
-        ``pages_by_level`` / ``bytes_by_level`` (sealed pages by format tag); the level (tag), its page
-        ``format`` and ``epoch``; ``tokens``, ``sequences``, ``namespaces``; counters (``gets`` counts get and
-        get_pages calls, ``refusals`` out-of-memory refusals, ``evictions`` evicted sequences)."""
+        ``pages_by_level`` / ``bytes_by_level`` (sealed pages by format tag); the level in force (tag), its page
+        ``format`` and ``epoch``; ``ordered_level`` (the newest order's level), ``ahead`` (the level this store
+        runs at under its own pressure, or None) with ``ahead_reason`` and ``ahead_count`` (times it ran ahead),
+        ``level_reason`` (why the level in force is what it is), ``max_level``, ``squeezes`` / ``squeezed_bytes``
+        (appends that compressed to make room, bytes freed); ``tokens``, ``sequences``, ``namespaces``; counters
+        (``gets`` counts get and get_pages calls, ``refusals`` out-of-memory refusals, ``evictions`` evicted
+        sequences)."""
         with self._lock:
             led = self._ledger
             used = led.used
@@ -531,6 +597,14 @@ class Store(Compaction, Eviction):
                 "level": self._level.tag,
                 "format": self._fmt,
                 "epoch": self._epoch,
+                "ordered_level": self._ordered.tag,
+                "ahead": self._ahead.tag if self._ahead is not None else None,
+                "ahead_reason": self._ahead_reason,
+                "level_reason": self._level_reason,
+                "ahead_count": self._aheads,
+                "max_level": self.max_level.tag,
+                "squeezes": self._squeezes,
+                "squeezed_bytes": self._squeezed_bytes,
                 "tokens": self._tokens,
                 "sequences": len(self._seqs),
                 "namespaces": len(self._ns),

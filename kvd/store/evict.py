@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from kvd.errors import OutOfMemory
+from kvd.policy import Level
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.store.sequences import Seq, SeqId
@@ -37,6 +38,8 @@ class Eviction:
     _evictions: int
     _evicted_tokens: int
     _refusals: int
+    _fmt: str
+    max_level: Level
 
     def _admit(
         self, need: int, seq: Seq | None, key: tuple[str, SeqId], t: int, validate: Callable[[], None]
@@ -60,7 +63,8 @@ class Eviction:
         why = "eviction is off" if self.eviction == "none" else "the sequence alone does not fit"
         raise OutOfMemory(
             f"append of {t} tokens to {key[1]!r} in {key[0]!r} needs {need} bytes; {self._ledger.used} of "
-            f"{cap} bytes are used ({why}); nothing was written"
+            f"{cap} bytes are used at {self._fmt}, compressed as far as max_level {self.max_level.tag} allows "
+            f"({why}); nothing was written"
         )
 
     def _make_room(self, need: int, key: tuple[str, SeqId]) -> None:

@@ -41,6 +41,11 @@ CUR_FMT_FROM_END = TRAILER_BYTES - 27  # rec[-CUR_FMT_FROM_END] is the current f
 NO_FMT = 255
 NO_EPOCH = -1
 FLAG_WINDOW = 1  # the page was held raw in the recent window and encoded when it aged out
+# The shard ran ahead of the cluster's level under its own memory pressure (kvd.store.compact, "squeeze") when it
+# sealed the page / re-encoded it the first / the second time.
+FLAG_AHEAD_SEALED = 2
+FLAG_AHEAD_R1 = 4
+FLAG_AHEAD_R2 = 8
 
 FMT_CODE = {name: i for i, name in enumerate(pages.LEVELS)}
 FMT_NAME = dict(enumerate(pages.LEVELS))
@@ -100,14 +105,19 @@ def read_trailer(rec: bytearray) -> tuple[int, int, int, int, int, int, int, int
     return TRAILER.unpack_from(rec, len(rec) - TRAILER_BYTES)
 
 
-def copy_trailer_recompressed(old: bytearray, new: bytearray, *, epoch: int, fmt: str) -> None:
-    """Give ``new`` the history of ``old`` plus one re-encoding to ``fmt`` at ``epoch``."""
+def copy_trailer_recompressed(
+    old: bytearray, new: bytearray, *, epoch: int, fmt: str, ahead: bool = False
+) -> None:
+    """Give ``new`` the history of ``old`` plus one re-encoding to ``fmt`` at ``epoch`` (``ahead``: done under
+    the shard's own pressure, ahead of the cluster's level)."""
     se, e1, _e2, sf, f1, _f2, _cur, flags = read_trailer(old)
     code = FMT_CODE[fmt]
     if f1 == NO_FMT:
         e1, f1, e2, f2 = epoch, code, NO_EPOCH, NO_FMT
+        flags |= FLAG_AHEAD_R1 if ahead else 0
     else:
         e2, f2 = epoch, code
+        flags |= FLAG_AHEAD_R2 if ahead else 0
     TRAILER.pack_into(new, len(new) - TRAILER_BYTES, se, e1, e2, sf, f1, f2, code, flags)
 
 

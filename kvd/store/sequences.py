@@ -392,14 +392,18 @@ def explain(seq: Seq, layer: object, token: object, p: int, sink_rows: int) -> d
     if r < seq.window_done and r >= sink_rows and not ns.raw_layer[i]:
         if flags & sp.FLAG_WINDOW:
             reasons.append("kept fp16 in the window until it aged out")
-        reasons.append(f"sealed at level {sp.FMT_NAME[sf]} (epoch {se})")
-        for f_, e_ in ((f1, e1), (f2, e2)):
+        reasons.append(f"sealed at level {sp.FMT_NAME[sf]} (epoch {se}){_ahead(flags & sp.FLAG_AHEAD_SEALED)}")
+        for f_, e_, bit in ((f1, e1, sp.FLAG_AHEAD_R1), (f2, e2, sp.FLAG_AHEAD_R2)):
             if f_ != sp.NO_FMT:
-                reasons.append(f"re-compressed to {sp.FMT_NAME[f_]} at epoch {e_}")
+                reasons.append(f"re-compressed to {sp.FMT_NAME[f_]} at epoch {e_}{_ahead(flags & bit)}")
                 recompressed.append([sp.FMT_NAME[f_], e_])
     if ns.raw_heads and sp.FMT_NAME[cur] != RAW:
         reasons.append(f"raw heads {list(ns.raw_heads)} kept fp16")
     return info
+
+
+def _ahead(flag: int) -> str:
+    return ", ahead of the cluster: this shard was full" if flag else ""
 
 
 class CompactionLog:

@@ -147,12 +147,13 @@ def test_the_pool_is_bounded_counted_and_emptied_before_anything_is_evicted() ->
 # ------------------------------------------------------------------------------------------ full stores
 
 
-def nearly_full() -> tuple[Store, int, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """A store with room for 3.5 sequences of 256 tokens holding a, b and c (the next one evicts), its capacity,
-    and the tokens of a to e."""
+def nearly_full(**opts) -> tuple[Store, int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """A store with room for 3.5 sequences of 256 tokens holding a, b and c at fp16 (the next one evicts, unless
+    the store may compress: ``max_level`` is fp16 unless ``opts`` say otherwise), its capacity, and the tokens
+    of a to e."""
     one = seq_bytes(256, "fp16")
     cap = NS_META + 3 * one + one // 2
-    s = store(cap)
+    s = store(cap, **{"max_level": "fp16", **opts})
     data = {sid: kv(256, seed=i) for i, sid in enumerate("abcde")}
     for sid in "abc":
         s.append(NS, sid, *data[sid])
@@ -179,7 +180,7 @@ def test_lru_eviction_takes_the_least_recently_used_and_counts() -> None:
 
 def test_a_sequence_that_alone_cannot_fit_is_refused_without_evicting() -> None:
     cap = NS_META + seq_bytes(512, "fp16")
-    s = store(cap)
+    s = store(cap, max_level="fp16")
     s.append(NS, "other", *kv(64))
     k, v = kv(64 * 12)
     s.append(NS, "big", k[:, : 64 * 4], v[:, : 64 * 4])
@@ -192,7 +193,7 @@ def test_a_sequence_that_alone_cannot_fit_is_refused_without_evicting() -> None:
 
 def test_eviction_none_refuses_while_get_and_drop_keep_working() -> None:
     cap = NS_META + 2 * seq_bytes(256, "fp16") + 1000
-    s = store(cap, eviction="none")
+    s = store(cap, eviction="none", max_level="fp16")
     a, b = kv(256, 1), kv(256, 2)
     s.append(NS, "a", *a)
     s.append(NS, "b", *b)
@@ -256,7 +257,7 @@ def test_an_evicting_append_holds_at_most_its_own_new_pages_beyond_capacity() ->
     tracemalloc.start()
     try:
         base = traced()
-        s = store(cap)
+        s = store(cap, max_level="fp16")
         for i in range(4):
             s.append(NS, i, *inputs[i])
         for i in range(4, 8):
@@ -341,6 +342,127 @@ def test_compaction_after_drops_and_evictions_skips_the_dead() -> None:
         + L * (record_bytes("fp16") + 2 * record_bytes("q4") + 3 * sp.PAGE_META_BYTES)
         + 2 * sp.ROW_META_BYTES
     )
+
+
+# ------------------------------------------------------------------------------------------ compress first
+
+
+def fill_until_forgetting(s: Store, first: int = 0, t: int = 256) -> tuple[int, list[dict]]:
+    """Append sequences of ``t`` tokens until the store evicts or refuses one; returns the id it stopped at and
+    the stats after every append."""
+    history = []
+    for i in range(first, first + 1000):
+        try:
+            s.append(NS, i, *kv(t, seed=i))
+        except OutOfMemory:
+            history.append(s.stats())
+            return i, history
+        history.append(s.stats())
+        if history[-1]["evictions"]:
+            return i, history
+    raise AssertionError("the store never filled")
+
+
+@pytest.mark.parametrize("eviction", ["lru", "none"])
+def test_a_full_store_compresses_before_it_forgets(eviction: str) -> None:
+    """An append that does not fit re-encodes the oldest pages, raising the store's own level one rung at a
+    time up to q4, and only then evicts or refuses: far more tokens held than at fp16, and when it does forget,
+    nothing was left to compress."""
+    s, cap, data = nearly_full(max_level="q4", eviction=eviction)
+    s.append(NS, "d", *data["d"])  # did not fit at fp16: compressed instead of evicting or refusing
+    st = s.stats()
+    assert st["evictions"] == 0 and st["refusals"] == 0 and st["used_bytes"] <= cap
+    assert st["ahead"] == "q8" and st["ordered_level"] == "fp16" and st["level"] == "q8"
+    assert st["squeezes"] == 1 and st["squeezed_bytes"] > 0 and "running ahead" in st["ahead_reason"]
+    assert s.explain(NS, "a", 0, 64)["level"] == "q8"  # the oldest went first
+    for sid in "abcd":
+        keys, values = s.get(NS, sid)
+        want = data[sid][1].astype(np.float32)
+        err = np.linalg.norm(values.astype(np.float32) - want) / np.linalg.norm(want)
+        assert 0 < err < 0.02 if sid in "ab" else err < 0.02, (sid, err)  # a and b were re-encoded (q8)
+    stopped, history = fill_until_forgetting(s)
+    final = history[-1]
+    assert final["level"] == "q4" and final["compaction_backlog_bytes"] == 0
+    assert all(h["evictions"] == 0 and h["refusals"] == 0 for h in history[:-1])
+    assert final["evictions" if eviction == "lru" else "refusals"] == 1
+    held = 4 * 256 + stopped * 256  # tokens stored when the first one was forgotten
+    assert held >= 1.9 * 3.5 * 256, held  # fp16 holds 3.5 of these sequences; sink pages stay fp16
+
+
+def test_max_level_bounds_what_pressure_may_compress_to() -> None:
+    s, cap, _ = nearly_full(max_level="q8")
+    fill_until_forgetting(s)
+    st = s.stats()
+    assert st["level"] == "q8" and "q4" not in st["pages_by_level"] and st["compaction_backlog_bytes"] == 0
+    s, cap, _ = nearly_full()  # max_level fp16: eviction at once, as before
+    s.append(NS, "d", *kv(256, seed=3))
+    assert s.stats()["evictions"] == 1 and s.stats()["squeezes"] == 0 and s.stats()["level"] == "fp16"
+
+
+def test_bad_data_that_would_need_room_changes_no_level_and_no_page() -> None:
+    s, _, _ = nearly_full(max_level="q4", eviction="none")
+    before = s.stats()
+    k, v = kv(256, seed=8)
+    k[1, 200, 0, 3] = np.nan
+    with pytest.raises(NonFiniteError, match=r"keys\[1, 200, 0, 3\]"):
+        s.append(NS, "d", k, v)
+    after = s.stats()
+    for key in ("level", "ahead", "recompressed_pages", "used_bytes", "squeezes", "refusals", "evictions"):
+        assert after[key] == before[key], key
+
+
+def test_a_lead_ends_when_an_order_reaches_it_or_steps_the_cluster_down() -> None:
+    s, _, data = nearly_full(max_level="q4")
+    s.set_level("fp16", 3)
+    s.append(NS, "d", *data["d"])
+    assert (s.stats()["ahead"], s.stats()["level"]) == ("q8", "q8")
+    assert s.set_level("fp16", 3) is False  # the coordinator's periodic resend changes nothing
+    assert s.stats()["ahead"] == "q8"
+    s.set_level("q8", 4)  # the cluster caught up
+    assert (s.stats()["ahead"], s.stats()["level"], s.stats()["ordered_level"]) == (None, "q8", "q8")
+    fill_until_forgetting(s, first=100, t=64)
+    assert (s.stats()["ahead"], s.stats()["level"]) == ("q4", "q4")
+    s.set_level("q4", 5)
+    s.set_level("fp8", 6)  # a step down of the cluster (demand fell): the lead goes with it
+    assert (s.stats()["ahead"], s.stats()["level"]) == (None, "fp8")
+    s2, _, data2 = nearly_full(max_level="q4")
+    s2.append(NS, "d", *data2["d"])
+    fill_until_forgetting(s2, first=100, t=64)
+    assert s2.stats()["ahead"] == "q4"
+    s2.set_level("q8", 1)  # an order up, still below the lead: the lead stays
+    assert (s2.stats()["ahead"], s2.stats()["level"], s2.stats()["ordered_level"]) == ("q4", "q4", "q8")
+
+
+def test_explain_says_a_page_was_compressed_ahead_of_the_cluster() -> None:
+    s, _, data = nearly_full(max_level="q4")
+    s.append(NS, "d", *data["d"])
+    reasons = s.explain(NS, "a", 0, 64)["reasons"]
+    assert any("re-compressed to q8 at epoch 0, ahead of the cluster" in r for r in reasons), reasons
+    sealed = [s.explain(NS, "d", 0, 64 * r)["reasons"] for r in (1, 2, 3)]
+    assert all(any("sealed at level q8" in x and "ahead of the cluster" in x for x in r) for r in sealed), sealed
+    s.set_level("q8", 1)
+    s.append(NS, "e", *data["e"])
+    assert not any("ahead" in r for r in s.explain(NS, "e", 0, 64 * 2)["reasons"])
+
+
+def test_used_by_rung_recounts_the_data_at_each_rung() -> None:
+    """What the data would take at fp16 and at the 8-bit rung, measured against stores that hold the same
+    sequences at those levels (their compaction-log entries are the only difference)."""
+    seqs = {i: kv(64 * 5 + 7, seed=i) for i in range(4)}
+    stores = {}
+    for level in ("fp16", "q8", "q4"):
+        s = store(max_level="fp16")
+        s.set_level(level, 1)
+        for i, (k, v) in seqs.items():
+            s.append(NS, i, k, v)
+        stores[level] = s
+    rows = 4 * 4
+    for rung, level in enumerate(("fp16", "q8", "q4")):
+        want = stores[level].stats()["used_bytes"]
+        got = stores["q4"].used_by_rung()[rung]
+        logged = rows * sp.ROW_META_BYTES if level != "q4" else 0  # rows sealed at q4 are never logged
+        assert got + logged == want, (level, got, want)
+    assert stores["fp16"].used_by_rung() == (stores["fp16"].stats()["used_bytes"],) * 3
 
 
 # ------------------------------------------------------------------------------------------ memory target

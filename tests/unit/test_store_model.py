@@ -6,7 +6,9 @@ format in force when the row was sealed (or left the window). A stored page must
 round trip of the model's data through the formats the store reports for it (sealed format, then each
 re-compression), the reported sealed format must be the model's, each re-compression must climb a rung to a
 format that was in force, and protected tokens (sink page, window, hot tail, raw layers, raw heads) must come
-back bit-exact. Evictions must take exactly the least recently used sequences.
+back bit-exact. Evictions must take exactly the least recently used sequences, and only once the store has
+compressed everything it may (its level at ``max_level``, no page left to re-encode); a store that runs ahead of
+the ordered level under its own pressure keeps to the lead rules of ``Store.set_level``.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ class StoreModel(RuleBasedStateMachine):
         raw_heads=st.sampled_from([(), (1,)]),
         eight_bit=st.sampled_from(["q8", "fp8_e4m3", "fp8_e5m2"]),
         capacity=st.sampled_from([6_000, 12_000, 64_000]),
+        max_level=st.sampled_from(["fp16", "q8", "q4"]),
     )
-    def setup(self, page_tokens, sink, window, raw_layers, raw_heads, eight_bit, capacity) -> None:
+    def setup(self, page_tokens, sink, window, raw_layers, raw_heads, eight_bit, capacity, max_level) -> None:
         self.p, self.sink, self.window = page_tokens, sink, window
         self.raw_layers, self.raw_heads = raw_layers, raw_heads
         self.store = Store(
@@ -61,12 +64,15 @@ class StoreModel(RuleBasedStateMachine):
             raw_layers=raw_layers,
             raw_heads=raw_heads,
             eight_bit=eight_bit,
+            max_level=max_level,
         )
+        self.max_rung = Level.parse(max_level).rung
         self.store.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
         self.data: dict[object, tuple[np.ndarray, np.ndarray]] = {}
         self.row_fmt: dict[object, list[str]] = {}  # per sequence: the format each out-of-window row got
         self.lru: list[object] = []
-        self.epoch, self.level = 0, Level.FP16
+        self.epoch, self.level = 0, Level.FP16  # the ordered level
+        self.ahead: Level | None = None  # the store's own lead, read after each append
         self.fmt_epochs: dict[str, set[int]] = {"fp16": {0}}
         self.rng = np.random.default_rng(0)
 
@@ -79,6 +85,26 @@ class StoreModel(RuleBasedStateMachine):
 
     def out_rows(self, n: int) -> int:
         return max(0, n - self.window) // self.p
+
+    def in_force(self) -> Level:
+        return self.ahead if self.ahead is not None else self.level
+
+    def check_squeeze(self, before: dict, forgot: bool) -> None:
+        """An append may run the store ahead (never past max_level, only upward); it may evict or be refused
+        only with everything compressed that could be."""
+        after = self.store.stats()
+        ahead = None if after["ahead"] is None else Level.from_tag(after["ahead"])
+        if ahead is not None:
+            assert self.level.rung < ahead.rung <= self.max_rung, (after, self.level)
+            if self.ahead is not None:
+                assert ahead.rung >= self.ahead.rung
+            self.fmt_epochs.setdefault(self.store.format_for(ahead), set()).add(self.epoch)
+        else:
+            assert self.ahead is None
+        self.ahead = ahead
+        assert after["level"] == self.in_force().tag and after["ordered_level"] == self.level.tag
+        if forgot:
+            assert sp.RUNG[after["format"]] >= self.max_rung and after["compaction_backlog_bytes"] == 0, after
 
     def tokens(self, t: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -99,6 +125,7 @@ class StoreModel(RuleBasedStateMachine):
         try:
             n2 = self.store.append(NS, sid, k, v)
         except OutOfMemory:
+            self.check_squeeze(before, forgot=True)
             after = self.store.stats()
             assert after["refusals"] == before["refusals"] + 1
             assert after["evictions"] == before["evictions"]
@@ -108,6 +135,7 @@ class StoreModel(RuleBasedStateMachine):
             return
         after = self.store.stats()
         evicted = after["evictions"] - before["evictions"]
+        self.check_squeeze(before, forgot=evicted > 0)
         victims = [s for s in self.lru if s != sid][:evicted]
         for s in victims:
             with pytest.raises(UnknownSequence):
@@ -123,7 +151,7 @@ class StoreModel(RuleBasedStateMachine):
         assert n2 == n
         fmts = self.row_fmt.setdefault(sid, [])
         while len(fmts) < self.out_rows(n):
-            fmts.append(self.store.format_for(self.level))
+            fmts.append(self.store.format_for(self.in_force()))
         self.touch(sid)
 
     @precondition(lambda self: self.data)
@@ -138,7 +166,8 @@ class StoreModel(RuleBasedStateMachine):
         with pytest.raises(NonFiniteError):
             self.store.append(NS, sid, k, v)
         after = self.store.stats()
-        for key in ("used_bytes", "tokens", "pages_by_level", "bytes_by_level", "tail_bytes", "sequences"):
+        for key in ("used_bytes", "tokens", "pages_by_level", "bytes_by_level", "tail_bytes", "sequences",
+                    "level", "ahead", "recompressed_pages"):
             assert after[key] == before[key], key
 
     @precondition(lambda self: self.data)
@@ -219,10 +248,14 @@ class StoreModel(RuleBasedStateMachine):
         expect = epoch > self.epoch or (epoch == self.epoch and lv is not self.level)
         assert applied == expect
         if applied:
+            # a lead survives an order below it, unless the order steps the cluster down
+            if self.ahead is not None and (lv.rung < self.level.rung or lv.rung >= self.ahead.rung):
+                self.ahead = None
             self.epoch, self.level = epoch, lv
-            self.fmt_epochs.setdefault(self.store.format_for(lv), set()).add(epoch)
+            self.fmt_epochs.setdefault(self.store.format_for(self.in_force()), set()).add(epoch)
         st_ = self.store.stats()
-        assert (st_["level"], st_["epoch"]) == (self.level.tag, self.epoch)
+        assert (st_["level"], st_["ordered_level"], st_["epoch"]) == (self.in_force().tag, lv.tag if applied
+                                                                     else self.level.tag, self.epoch)
 
     @rule(budget=st.sampled_from([0, 300, 2_000, 10**9]))
     def compact(self, budget) -> None:
