@@ -21,10 +21,20 @@ For each sample ``p``:
    ``s >= q8_threshold - hysteresis`` (the 8-bit band's margin holds on the way through, so a fall from q4
    into [q8_threshold - hysteresis, q8_threshold) does not overshoot to fp16 and bounce back), and goes straight
    to fp16 below that. Moving up has no margin.
-5. Clamp into [min_level, max_level] (on rungs, see :class:`PolicyConfig`).
+5. **A step down must fit.** Pressure measured on compressed pages falls *because* of the compression a rise
+   caused; read as a drop in demand, it stepped the level straight back down, new pages went back to fp16 and
+   the level flapped (q8 -> fp16 0.41 s later, in the issue that brought this rule). So a move down to rung
+   ``t`` is taken only when the data, re-counted at ``t``'s density (``at_rungs[t]``: what the bytes in use
+   would be if every page more compact than ``t`` were stored at ``t``; smoothed like ``s``), stays under the
+   same bound as in step 4: ``q8_threshold - hysteresis`` for fp16, ``q4_threshold - hysteresis`` for the
+   8-bit rung. A step down that does not fit is tried one rung higher (q4 may still go to the 8-bit rung); if
+   none fits the level holds. Without ``at_rungs`` (or right after a rise, when nothing is compressed yet) the
+   re-count equals ``s`` and this is step 4 exactly: the seed policy's semantics where there is no conflict.
+6. Clamp into [min_level, max_level] (on rungs, see :class:`PolicyConfig`).
 
 Every change of level counts one upgrade (more compact) or one downgrade (less compact), however many rungs
-it spans. The level starts at ``min_level``. The policy is pure (no Ray, no ZeroMQ) and thread-safe.
+it spans, and :attr:`Policy.reason` says why in words. The level starts at ``min_level``. The policy is pure
+(no Ray, no ZeroMQ) and thread-safe.
 """
 
 from __future__ import annotations
@@ -57,6 +67,11 @@ class Level(enum.Enum):
     def tag(self) -> str:
         """The stable lower-case name used in stats, config and on the wire: ``"fp16"``, ``"q8"``, ..."""
         return self.name.lower()
+
+    @property
+    def rung(self) -> int:
+        """The policy's ladder step: 0 fp16, 1 the 8-bit rung (Q8 and FP8 alike: same memory), 2 q4."""
+        return _RUNG[self]
 
     @property
     def memory_factor(self) -> float:
@@ -209,6 +224,16 @@ PROFILES = {
 }
 
 
+def _unit(value: object, name: str) -> float:
+    """A real number clamped into [0, 1]; InvalidArgument for NaN or a non-number."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    x = float(value)
+    if math.isnan(x):
+        raise InvalidArgument(f"{name} must not be NaN, got {value!r}")
+    return min(1.0, max(0.0, x))
+
+
 class Policy:
     """The EWMA + hysteresis controller described in the module docstring. Thread-safe.
 
@@ -226,9 +251,11 @@ class Policy:
         self._lock = threading.Lock()
         self._rung = self._min_rung
         self._ewma = 0.0
+        self._ewma_at = [0.0, 0.0, 0.0]
         self._samples = 0
         self._upgrades = 0
         self._downgrades = 0
+        self._reason = ""
 
     @property
     def config(self) -> PolicyConfig:
@@ -264,24 +291,32 @@ class Policy:
         with self._lock:
             return self._downgrades
 
-    def observe(self, pressure: float) -> Level:
+    @property
+    def reason(self) -> str:
+        """Why the level last changed (or last held against a step down), in words; "" before that."""
+        with self._lock:
+            return self._reason
+
+    def observe(self, pressure: float, at_rungs: tuple[float, float, float] | None = None) -> Level:
         """Feed one pressure sample (bytes used / capacity) and return the level now in force.
 
-        Values outside [0, 1] (including +-inf) are clamped. NaN or a non-number raises
-        :class:`~kvd.errors.InvalidArgument` and changes nothing.
+        ``at_rungs``: the same pressure re-counted at fp16, the 8-bit rung and q4 (module docstring, step 5);
+        None means "as measured". Values outside [0, 1] (including +-inf; a re-count above 1 is a full store)
+        are clamped. NaN or a non-number raises :class:`~kvd.errors.InvalidArgument` and changes nothing.
         """
-        if not isinstance(pressure, numbers.Real) or isinstance(pressure, bool):
-            raise InvalidArgument(f"pressure must be a real number, got {type(pressure).__name__} {pressure!r}")
-        p = float(pressure)
-        if math.isnan(p):
-            raise InvalidArgument(f"pressure must not be NaN, got {pressure!r}")
-        p = min(1.0, max(0.0, p))
+        p = _unit(pressure, "pressure")
+        at = (p, p, p) if at_rungs is None else tuple(_unit(x, "at_rungs") for x in at_rungs)
+        if len(at) != 3:
+            raise InvalidArgument(f"at_rungs must hold 3 pressures (fp16, 8-bit, q4), got {at_rungs!r}")
         cfg = self._config
         with self._lock:
+            a = cfg.ewma_alpha
             if self._samples == 0:
                 s = p
+                self._ewma_at = list(at)
             else:
-                s = cfg.ewma_alpha * p + (1.0 - cfg.ewma_alpha) * self._ewma
+                s = a * p + (1.0 - a) * self._ewma
+                self._ewma_at = [a * x + (1.0 - a) * e for x, e in zip(at, self._ewma_at, strict=True)]
             self._ewma = s
             self._samples += 1
 
@@ -298,12 +333,30 @@ class Policy:
                     target = 2
                 elif s >= cfg.q8_threshold - cfg.hysteresis:
                     target = 1  # from the 8-bit rung: hold; from q4: stop on the 8-bit rung inside its margin
+            bounds = (cfg.q8_threshold - cfg.hysteresis, cfg.q4_threshold - cfg.hysteresis)
+            wanted = target
+            while target < current and not self._ewma_at[target] < bounds[target]:
+                target += 1  # the data would not fit there: try one rung more compact, or hold
             target = min(self._max_rung, max(self._min_rung, target))
-
+            names = ("fp16", cfg.eight_bit.tag, "q4")
             if target > current:
                 self._upgrades += 1
+                threshold = cfg.q4_threshold if target == 2 else cfg.q8_threshold
+                self._reason = (
+                    f"up to {names[target]}: smoothed pressure {s:.3f} >= {'q4' if target == 2 else 'q8'}"
+                    f"_threshold {threshold:.2f}"
+                )
             elif target < current:
                 self._downgrades += 1
+                self._reason = (
+                    f"down to {names[target]}: smoothed pressure {s:.3f}, and the data re-counted at "
+                    f"{names[target]} {self._ewma_at[target]:.3f} < {bounds[target]:.2f}"
+                )
+            elif wanted < current and target == current:
+                self._reason = (
+                    f"held at {names[current]}: smoothed pressure {s:.3f} is low, but the data re-counted at "
+                    f"{names[wanted]} {self._ewma_at[wanted]:.3f} would not stay under {bounds[wanted]:.2f}"
+                )
             self._rung = target
             return cfg.rungs[target]
 
@@ -312,17 +365,21 @@ class Policy:
         with self._lock:
             self._rung = self._min_rung
             self._ewma = 0.0
+            self._ewma_at = [0.0, 0.0, 0.0]
             self._samples = 0
             self._upgrades = 0
             self._downgrades = 0
+            self._reason = ""
 
     def snapshot(self) -> dict[str, Any]:
-        """A consistent plain dict for stats: ``level`` (tag), ``pressure``, ``samples``, ``upgrades``,
-        ``downgrades``."""
+        """A consistent plain dict for stats: ``level`` (tag), ``pressure``, ``pressure_at_rungs`` (smoothed
+        re-counts), ``samples``, ``upgrades``, ``downgrades``, ``reason``."""
         with self._lock:
             return {
                 "level": self._config.rungs[self._rung].tag,
                 "pressure": self._ewma,
+                "pressure_at_rungs": list(self._ewma_at),
+                "reason": self._reason,
                 "samples": self._samples,
                 "upgrades": self._upgrades,
                 "downgrades": self._downgrades,

@@ -482,6 +482,58 @@ def test_min_level_names_the_eight_bit_rung(floor: Level) -> None:
     assert set(feed(policy, [0.0, 1.0, 0.0])) == {Level.Q8}
 
 
+# ----------------------------------------------------------------------------- a step down must fit
+
+
+def test_compression_the_policy_caused_does_not_step_it_down() -> None:
+    """The flapping this rule ends: at q8 the bytes in use fall to 0.55 because the pages were compressed, but
+    the same data would take 1.1 of the memory at fp16, so the level holds, however long."""
+    policy = Policy()
+    feed(policy, [0.9] * 10)
+    assert policy.level is Level.Q8
+    for _ in range(50):
+        assert policy.observe(0.55, (1.1, 0.55, 0.34)) is Level.Q8
+    assert policy.downgrades == 0
+    assert policy.reason.startswith("held at q8") and "re-counted at fp16 1.000" in policy.reason
+
+
+def test_a_real_drop_in_demand_steps_down_once() -> None:
+    policy = Policy()
+    feed(policy, [0.9] * 10)
+    for _ in range(50):
+        policy.observe(0.3, (0.6, 0.3, 0.19))  # sequences were dropped: even at fp16 the data fits
+    assert policy.level is Level.FP16 and policy.downgrades == 1
+    assert policy.reason.startswith("down to fp16") and "< 0.75" in policy.reason
+
+
+def test_from_q4_the_step_down_stops_where_the_data_fits() -> None:
+    policy = Policy()
+    feed(policy, [1.0] * 10)
+    assert policy.level is Level.Q4
+    levels = {policy.observe(0.5, (0.95, 0.7, 0.5)) for _ in range(60)}
+    assert levels == {Level.Q4, Level.Q8} and policy.level is Level.Q8  # fp16 would not fit, the 8-bit rung does
+    assert policy.downgrades == 1
+
+
+def test_without_a_recount_the_seed_rules_hold() -> None:
+    """Passing the measured pressure as every re-count is the seed policy, sample for sample."""
+    rng = np.random.default_rng(5)
+    samples = list(rng.uniform(0, 1, 400))
+    a, b = Policy(), Policy()
+    assert [a.observe(p) for p in samples] == [b.observe(p, (p, p, p)) for p in samples]
+
+
+def test_recounts_are_checked_like_pressure() -> None:
+    policy = Policy()
+    with pytest.raises(InvalidArgument, match="at_rungs"):
+        policy.observe(0.5, (0.5, float("nan"), 0.5))
+    with pytest.raises(InvalidArgument, match="3 pressures"):
+        policy.observe(0.5, (0.5, 0.5))  # type: ignore[arg-type]
+    assert policy.samples == 0
+    policy.observe(0.5, (7.0, 0.5, 0.5))  # a re-count above 1 is a full store: clamped
+    assert policy.snapshot()["pressure_at_rungs"] == [1.0, 0.5, 0.5]
+
+
 # ---------------------------------------------------------------------------------------- reset, snapshot
 
 
@@ -492,7 +544,8 @@ def test_reset_returns_to_start() -> None:
     policy.reset()
     assert policy.level is Level.Q8
     assert (policy.samples, policy.upgrades, policy.downgrades, policy.pressure) == (0, 0, 0, 0.0)
-    assert policy.snapshot() == {"level": "q8", "pressure": 0.0, "samples": 0, "upgrades": 0, "downgrades": 0}
+    assert policy.snapshot() == {"level": "q8", "pressure": 0.0, "samples": 0, "upgrades": 0, "downgrades": 0,
+                                 "pressure_at_rungs": [0.0, 0.0, 0.0], "reason": ""}
     policy.observe(0.4)  # a first sample again: s = p
     assert policy.pressure == 0.4
 
@@ -507,8 +560,11 @@ def test_snapshot_is_a_plain_dict() -> None:
         "samples": 2,
         "upgrades": policy.upgrades,
         "downgrades": policy.downgrades,
+        "pressure_at_rungs": [policy.pressure] * 3,  # no re-count given: as measured
+        "reason": policy.reason,
     }
-    assert all(type(v) in (str, int, float) for v in snap.values())
+    assert policy.reason.startswith("up to q8: smoothed pressure 0.850 >= q8_threshold 0.80")
+    assert all(type(v) in (str, int, float, list) for v in snap.values())
     assert policy.config == PolicyConfig()
     assert "samples=2" in repr(policy)
 
