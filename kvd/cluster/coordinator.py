@@ -186,7 +186,7 @@ class Coordinator:
         if not outcome.known:
             return {"known": False}
         assert outcome.level is not None
-        return {"known": True, "level": outcome.level.tag, "epoch": outcome.epoch}
+        return {"known": True, "level": outcome.level.tag, "epoch": outcome.epoch, "reason": outcome.reason}
 
     # ------------------------------------------------------------------------------------ tool-facing
 
@@ -262,7 +262,7 @@ class Coordinator:
             pending: dict[Any, str] = {}
             for shard_id in order.targets:
                 try:
-                    ref = self._handle(shard_id).set_level.remote(order.level.tag, order.epoch)
+                    ref = self._handle(shard_id).set_level.remote(order.level.tag, order.epoch, order.reason)
                     pending[ref] = shard_id
                 except Exception as exc:  # noqa: BLE001 - a dead shard converges through its next report
                     log.warning("set_level(%s, %d) to %s failed: %s", order.level.tag, order.epoch, shard_id, exc)

@@ -13,8 +13,14 @@ marked *down* after ``stale_after_s`` but stays in the topology: clients route b
 shard ids, so removing it would silently move its sequences to another shard; keeping it gives their owners a
 clear error until it comes back (empty) under the same id.
 
-Pressure and levels. Cluster pressure is ``sum(used) / sum(capacity)`` over the shards that are up (mode
-``"sum"``) or the fullest shard's ``used / capacity`` (mode ``"max"``). The policy gets one sample per report
+Pressure and levels. Cluster pressure is the fullest up shard's ``used / capacity`` (mode ``"max"``, the
+default) or ``sum(used) / sum(capacity)`` over the shards that are up (mode ``"sum"``). Every shard counts: a
+shard evicts when *it* is full, whatever the others hold, and routing by rendezvous hashing fills shards
+unevenly by chance (3 shards of 7 sequences each plus one more: that shard at 0.98, the sum at 0.89 and never
+at the q4 threshold; the issue that made "max" the default). ``max(sum, fullest)`` is the fullest, so "max" is
+that blend; "sum" stays for clusters whose shards are meant to fill unevenly. Reports also carry
+``used_by_rung`` (the bytes re-counted at each rung's density), aggregated the same way and handed to the
+policy, which steps down only when the data would fit there (kvd.policy). The policy gets one sample per report
 *round*: when every up shard has reported since the last sample (or, if one is late, two report intervals
 after the last sample), so the EWMA's time constant does not depend on the number of shards. When the policy's
 level changes, the *level epoch* increases by one and a :class:`LevelOrder` for every up shard is returned;
@@ -59,6 +65,9 @@ class ShardReport:
     level: str  # tag of the level the shard's store has applied
     epoch: int  # level epoch the shard's store has applied
     node: str = ""
+    # used_bytes re-counted at fp16, the 8-bit rung and q4 (Store.used_by_rung); None: as used_bytes
+    used_by_rung: tuple[int, int, int] | None = None
+    ahead: str | None = None  # the level the shard runs at under its own pressure, above `level`
 
     def __post_init__(self) -> None:
         if not self.shard_id or not isinstance(self.shard_id, str):
@@ -68,6 +77,13 @@ class ShardReport:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
         Level.from_tag(self.level)
+        if self.ahead is not None:
+            Level.from_tag(self.ahead)
+        if self.used_by_rung is not None:
+            rungs = tuple(self.used_by_rung)
+            if len(rungs) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in rungs):
+                raise InvalidArgument(f"used_by_rung must be 3 non-negative ints, got {self.used_by_rung!r}")
+            object.__setattr__(self, "used_by_rung", rungs)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,10 +102,17 @@ class ShardState:
     epoch: int = 0
     up: bool = True
     restarts: int = 0
+    used_by_rung: tuple[int, int, int] | None = None
+    ahead: str | None = None
 
     @property
     def pressure(self) -> float:
         return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+    def pressure_at(self, rung: int) -> float:
+        """Pressure with the data re-counted at ``rung`` (0 fp16, 1 8-bit, 2 q4); as measured if unknown."""
+        used = self.used_by_rung[rung] if self.used_by_rung is not None else self.used_bytes
+        return used / self.capacity_bytes if self.capacity_bytes else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +122,7 @@ class LevelOrder:
     level: Level
     epoch: int
     targets: tuple[str, ...]
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +146,7 @@ class ReportOutcome:
     resend: LevelOrder | None = None
     level: Level | None = None
     epoch: int | None = None
+    reason: str = ""  # of the level change behind ``level``
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +168,7 @@ class LevelChange:
     applied_at: float | None = None
     relieved_at: float | None = None
     pending: tuple[str, ...] = ()
+    reason: str = ""
 
 
 class Membership:
@@ -162,7 +188,7 @@ class Membership:
         now: float,
         report_interval_s: float,
         stale_after_s: float | None = None,
-        pressure_mode: str = "sum",
+        pressure_mode: str = "max",
         expected: Iterable[str] = (),
         recovered_epoch: int = 0,
         recovered_level: Level | str | None = None,
@@ -279,6 +305,8 @@ class Membership:
                 level=report.level,
                 epoch=report.epoch,
                 up=True,
+                used_by_rung=report.used_by_rung,
+                ahead=report.ahead,
             )
             if report.epoch > self._epoch:
                 # A shard applied an epoch this coordinator never issued: its predecessor did, and its state
@@ -293,8 +321,10 @@ class Membership:
             order = self._maybe_sample(now)
             resend = None
             if order is None and report.epoch < self._epoch:
-                resend = LevelOrder(self._level, self._epoch, (report.shard_id,))
-            return ReportOutcome(known=True, order=order, resend=resend, level=self._level, epoch=self._epoch)
+                resend = LevelOrder(self._level, self._epoch, (report.shard_id,), self._reason())
+            return ReportOutcome(
+                known=True, order=order, resend=resend, level=self._level, epoch=self._epoch, reason=self._reason()
+            )
 
     def acknowledge(self, shard_id: str, epoch: int, *, now: float) -> None:
         """A shard confirmed applying ``epoch`` (the reply of a set_level broadcast)."""
@@ -355,8 +385,14 @@ class Membership:
                 "level_epoch": self._epoch,
                 "topology_epoch": self._topology_epoch,
                 "pressure": self._pressure(),
+                "pressure_sum": self._pressure("sum"),
+                "pressure_max": self._pressure("max"),
+                "pressure_at_rungs": self._pressure_at_rungs(),
+                "imbalance": self._imbalance(),
                 "smoothed_pressure": policy["pressure"] if policy["samples"] else None,
                 "pressure_mode": self._mode,
+                "reason": self._reason(),  # of the last level change
+                "policy_reason": policy["reason"],  # of the last change, or of the last step down held
                 "samples": self._samples,
                 "upgrades": policy["upgrades"],
                 "downgrades": policy["downgrades"],
@@ -373,6 +409,8 @@ class Membership:
                         "used_bytes": s.used_bytes,
                         "capacity_bytes": s.capacity_bytes,
                         "pressure": s.pressure,
+                        "ahead": s.ahead,
+                        "used_by_rung": list(s.used_by_rung) if s.used_by_rung is not None else None,
                         "restarts": s.restarts,
                         "report_age_s": None if s.last_report_at is None else now - s.last_report_at,
                     }
@@ -400,13 +438,31 @@ class Membership:
     def _up(self) -> list[ShardState]:
         return [s for s in self._shards.values() if s.up and s.last_report_at is not None and s.capacity_bytes > 0]
 
-    def _pressure(self) -> float | None:
+    def _pressure(self, mode: str | None = None, rung: int | None = None) -> float | None:
+        """Pressure over the up shards by ``mode`` (the configured one by default), as measured or with the
+        data re-counted at ``rung``."""
         up = self._up()
         if not up:
             return None
-        if self._mode == "max":
-            return max(s.used_bytes / s.capacity_bytes for s in up)
-        return sum(s.used_bytes for s in up) / sum(s.capacity_bytes for s in up)
+        used = (lambda s: s.used_bytes) if rung is None else (lambda s: s.pressure_at(rung) * s.capacity_bytes)
+        if (mode or self._mode) == "max":
+            return max(used(s) / s.capacity_bytes for s in up)
+        return sum(used(s) for s in up) / sum(s.capacity_bytes for s in up)
+
+    def _pressure_at_rungs(self) -> tuple[float, float, float] | None:
+        at = [self._pressure(rung=r) for r in range(3)]
+        return None if at[0] is None else (at[0], at[1], at[2])  # type: ignore[return-value]
+
+    def _imbalance(self) -> float | None:
+        """The fullest up shard's pressure over the mean: 1.0 when routing spreads the data evenly."""
+        up = self._up()
+        if not up:
+            return None
+        mean = sum(s.pressure for s in up) / len(up)
+        return max(s.pressure for s in up) / mean if mean > 0 else 1.0
+
+    def _reason(self) -> str:
+        return self._history[-1].reason if self._history else ""
 
     def _warming_up(self, now: float) -> bool:
         if now - self._started_at >= self._stale_after_s:
@@ -438,7 +494,7 @@ class Membership:
             level = self._policy.observe(self._seeded(pressure, self._seed))
             self._seed = None
         else:
-            level = self._policy.observe(pressure)
+            level = self._policy.observe(pressure, self._pressure_at_rungs())
         if level == self._level:
             return None
         previous, self._level = self._level, level
@@ -460,9 +516,10 @@ class Membership:
                 crossed_at=self._crossed_at.get(threshold) if threshold is not None else None,
                 threshold=threshold,
                 pending=targets,
+                reason=self._policy.reason,
             )
         )
-        return LevelOrder(level, self._epoch, targets)
+        return LevelOrder(level, self._epoch, targets, self._policy.reason)
 
     def _seeded(self, pressure: float, level: Level) -> float:
         """A first sample that lands the fresh policy on ``level`` (the recovered one), as close to the real

@@ -106,9 +106,9 @@ class Shard:
 
     # ------------------------------------------------------------------------------------------ Ray methods
 
-    def set_level(self, level: str, epoch: int) -> int:
+    def set_level(self, level: str, epoch: int, reason: str = "") -> int:
         """Apply a level order (older epochs are ignored by the store). Returns the epoch now in force."""
-        self._store.set_level(level, epoch)
+        self._store.set_level(level, epoch, reason)
         return int(self._store.stats()["epoch"])
 
     def stats(self) -> dict[str, Any]:
@@ -153,7 +153,7 @@ class Shard:
     # ------------------------------------------------------------------------------------------ reporter
 
     def _apply(self, reply: dict[str, Any]) -> None:
-        self._store.set_level(reply["level"], int(reply["epoch"]))
+        self._store.set_level(reply["level"], int(reply["epoch"]), str(reply.get("reason", "")))
 
     def _report_loop(self) -> None:
         import ray
@@ -186,9 +186,11 @@ class Shard:
                             "endpoint": self._endpoint,
                             "used_bytes": int(stats["used_bytes"]),
                             "capacity_bytes": int(stats["capacity_bytes"]),
-                            "level": str(stats["level"]),
+                            "level": str(stats["ordered_level"]),  # what the epoch means
                             "epoch": int(stats["epoch"]),
                             "node": self._node,
+                            "used_by_rung": list(self._store.used_by_rung()),
+                            "ahead": stats["ahead"],
                         }
                     ),
                     timeout=timeout_s,

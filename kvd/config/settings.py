@@ -193,7 +193,8 @@ class ClusterSettings:
         0.5, number_in(0.0, 60.0, open_low=True), "seconds between a shard's pressure reports"
     )
     pressure_mode: str = _setting(
-        "sum", choice("sum", "max"), "cluster pressure: sum = total used / total capacity, max = fullest shard"
+        "max", choice("sum", "max"), "cluster pressure: max = the fullest shard (a full shard evicts whatever the "
+        "others hold), sum = total used / total capacity"
     )
     host: str = _setting(
         "auto", text_value, 'address the coordinator and shards bind: "auto" = 127.0.0.1 on an embedded Ray, '
@@ -333,6 +334,7 @@ class Config:
             "raw_heads": s.raw_heads,
             "eviction": s.eviction,
             "eight_bit": s.eight_bit,
+            "max_level": self.policy_config().max_level.tag,  # how far an append that does not fit may compress
         }
         for name in ("page_tokens", "window_tokens", "sink_tokens"):
             if getattr(s, name) is not None:

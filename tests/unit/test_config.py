@@ -105,7 +105,7 @@ page_tokens = 32
     assert config.cluster.report_interval_s == 0.25
     assert config.store.page_tokens == 32
     assert config.cluster.namespace == "kvd"  # a flag given as None (not on the command line) is skipped
-    assert config.cluster.pressure_mode == "sum"  # untouched default
+    assert config.cluster.pressure_mode == "max"  # untouched default
     assert config.shard_capacity_bytes == 6 * 1024**3 // 5
     assert config.source == (f"file {path}", "environment", "flags")
 

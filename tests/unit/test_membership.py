@@ -43,7 +43,7 @@ class Cluster:
         if epoch > self.epoch[sid]:  # what Store.set_level does
             self.epoch[sid], self.level[sid] = epoch, level.tag
 
-    def report(self, sid: str, used: int, cap: int = CAP):
+    def report(self, sid: str, used: int, cap: int = CAP, used_by_rung: tuple[int, int, int] | None = None):
         outcome = self.m.report(
             ShardReport(
                 shard_id=sid,
@@ -53,6 +53,7 @@ class Cluster:
                 capacity_bytes=cap,
                 level=self.level[sid],
                 epoch=self.epoch[sid],
+                used_by_rung=used_by_rung,
             ),
             now=self.now,
         )
@@ -63,11 +64,13 @@ class Cluster:
                     self.apply(target, order.level, order.epoch)
         return outcome
 
-    def round(self, used: int | dict[str, int], ids: list[str] | None = None) -> None:
+    def round(self, used: int | dict[str, int], ids: list[str] | None = None,
+              by_rung: dict[str, tuple[int, int, int]] | None = None) -> None:
         """Advance one report interval; every listed shard reports."""
         self.now += INTERVAL_S
         for sid in ids if ids is not None else self.ids:
-            self.report(sid, used[sid] if isinstance(used, dict) else used)
+            self.report(sid, used[sid] if isinstance(used, dict) else used,
+                        used_by_rung=(by_rung or {}).get(sid))
 
     def start(self) -> Cluster:
         for sid in self.ids:
@@ -329,3 +332,52 @@ def test_report_outcome_carries_the_level_and_epoch_in_force_together() -> None:
     c.incarnation["shard-0"] = "gone"
     unknown = c.report("shard-0", 900)
     assert unknown.known is False and unknown.level is None and unknown.epoch is None
+
+
+# ------------------------------------------------------------------------------ every shard counts, step downs
+
+
+def test_the_default_mode_sees_a_single_full_shard() -> None:
+    """The scenario of the issue: three shards at 0.84, one of them taken to 0.98 by one more sequence. The
+    sum (0.89) never reaches q4; the default mode (the fullest shard) does."""
+    fill = {"shard-0": 980, "shard-1": 840, "shard-2": 840}
+    default = Membership(Policy(SHARP), now=0.0, report_interval_s=INTERVAL_S)
+    assert default.snapshot(0.0)["pressure_mode"] == "max"
+    for mode, want in (("max", Level.Q4), ("sum", Level.Q8)):
+        c = Cluster(mode=mode).start()
+        c.round(fill)
+        assert c.m.level is want, mode
+        snap = c.m.snapshot(c.now)
+        assert snap["pressure_sum"] == pytest.approx(2660 / 3000) and snap["pressure_max"] == 0.98
+        assert snap["imbalance"] == pytest.approx(0.98 / (2660 / 3000))
+
+
+def test_compression_does_not_pass_for_a_drop_in_demand() -> None:
+    """After a rise the shards re-compress and report less used; the data re-counted at fp16 is still more
+    than the memory, so the level holds: one change, no flapping, whatever the number of rounds."""
+    c = Cluster(mode="max").start()
+    c.round(900)
+    assert c.m.level is Level.Q8
+    for _ in range(40):
+        c.round(520, by_rung={sid: (1000, 520, 330) for sid in c.ids})
+    assert c.m.level is Level.Q8 and c.m.epoch == 2
+    snap = c.m.snapshot(c.now)
+    assert snap["policy_reason"].startswith("held at q8") and snap["reason"].startswith("up to q8")
+    for _ in range(5):  # sequences dropped: the data would fit at fp16 now
+        c.round(300, by_rung={sid: (580, 300, 190) for sid in c.ids})
+    assert c.m.level is Level.FP16 and c.m.epoch == 3
+    history = c.m.snapshot(c.now)["history"]
+    assert [h["level"] for h in history] == ["q8", "fp16"]
+    assert history[-1]["reason"].startswith("down to fp16") and history[0]["reason"].startswith("up to q8")
+    assert c.orders[-1].reason == history[-1]["reason"]
+
+
+def test_reports_refuse_malformed_recounts() -> None:
+    base = dict(shard_id="s", incarnation="i", endpoint="e", used_bytes=1, capacity_bytes=2, level="fp16",
+                epoch=0)
+    for bad in ((1, 2), (1, 2, -3), (1, 2, True), ("1", 2, 3)):
+        with pytest.raises(InvalidArgument, match="used_by_rung"):
+            ShardReport(**base, used_by_rung=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        ShardReport(**base, ahead="q5")
+    assert ShardReport(**base, used_by_rung=[3, 2, 1]).used_by_rung == (3, 2, 1)  # type: ignore[arg-type]
