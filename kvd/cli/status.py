@@ -16,7 +16,7 @@ from typing import Any
 from kvd.config.settings import format_size
 from kvd.policy import Level
 
-__all__ = ["fmt_bytes", "shard_table", "status_line", "StatusMetrics"]
+__all__ = ["fmt_bytes", "imbalance", "shard_table", "status_line", "StatusMetrics"]
 
 
 # ------------------------------------------------------------------------------------------------ display
@@ -50,21 +50,48 @@ def _rate(stats: dict[str, Any]) -> str:
     return "-"
 
 
+def _level(stats: dict[str, Any]) -> str:
+    level = str(stats.get("level", "-"))
+    return f"{level}*" if stats.get("ahead") else level  # * = ahead of the cluster under its own pressure
+
+
 def shard_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
-    """The per-shard table of ``kvd status``: ``shards`` is ``[(shard_id, stats or None if down)]``."""
+    """The per-shard table of ``kvd status``: ``shards`` is ``[(shard_id, stats or None if down)]``; below it,
+    each shard's reason for its level and how evenly routing fills the shards."""
     headers = ["shard", "level", "epoch", "pressure", "used", "capacity", "bytes by level", "tokens",
-               "sequences", "evictions", "req/s"]
-    rows = []
+               "sequences", "compactions", "evictions", "refusals", "req/s"]
+    rows, notes = [], []
     for sid, s in shards:
         if s is None:
             rows.append([sid, "DOWN", *["-"] * (len(headers) - 2)])
             continue
         rows.append([
-            sid, s.get("level", "-"), s.get("epoch", "-"), f"{float(s.get('pressure', 0.0)):.3f}",
+            sid, _level(s), s.get("epoch", "-"), f"{float(s.get('pressure', 0.0)):.3f}",
             fmt_bytes(s.get("used_bytes")), fmt_bytes(s.get("capacity_bytes")), _by_level(s),
-            s.get("tokens", "-"), s.get("sequences", "-"), s.get("evictions", "-"), _rate(s),
+            s.get("tokens", "-"), s.get("sequences", "-"), s.get("recompressed_pages", "-"),
+            s.get("evictions", "-"), s.get("refusals", "-"), _rate(s),
         ])
-    return _table(headers, rows)
+        if s.get("level_reason"):
+            notes.append(f"  {sid}: {s['level_reason']}")
+    out = _table(headers, rows)
+    if any(isinstance(s, dict) and s.get("ahead") for _, s in shards):
+        out += "\n* ahead of the cluster: the shard compressed its own pages to make room (kvd.store.compact)"
+    good = [s for _, s in shards if isinstance(s, dict)]
+    if good:
+        balance = imbalance(good)
+        out += "\nfullest shard / mean pressure: " + (
+            f"{balance:.2f} (1.00 = routing fills the shards evenly)" if balance is not None else "- (empty)"
+        )
+    if notes:
+        out += "\nwhy each level:\n" + "\n".join(notes)
+    return out
+
+
+def imbalance(stats: Sequence[dict[str, Any]]) -> float | None:
+    """The fullest shard's pressure over the mean (None without shards or data)."""
+    pressures = [float(s.get("pressure", 0.0)) for s in stats]
+    mean = sum(pressures) / len(pressures) if pressures else 0.0
+    return max(pressures) / mean if mean > 0 else None
 
 
 def status_line(cluster: dict[str, Any], shards: dict[str, Any]) -> str:
@@ -79,6 +106,9 @@ def status_line(cluster: dict[str, Any], shards: dict[str, Any]) -> str:
         f"{fmt_bytes(cluster.get('capacity_bytes'))} | shards {up}/{len(shards)} up | "
         f"{sum(int(s.get('sequences', 0)) for s in good)} seqs {sum(int(s.get('tokens', 0)) for s in good)} tokens"
         f" | {rps:.0f} req/s | evictions {sum(int(s.get('evictions', 0)) for s in good)}"
+        f" refusals {sum(int(s.get('refusals', 0)) for s in good)}"
+        + (f" | ahead {','.join(sid for sid, s in shards.items() if isinstance(s, dict) and s.get('ahead'))}"
+           if any(s.get("ahead") for s in good) else "")
     )
 
 
@@ -121,6 +151,8 @@ class StatusMetrics:
                 value=cluster.get("pressure") or 0.0)
         yield g("kvd_cluster_level", "Level in force: 0 fp16, 1 q8, 2 fp8, 3 q4", value=rank[cluster["level"]])
         yield g("kvd_cluster_level_epoch", "Level epoch", value=cluster["level_epoch"])
+        if cluster.get("imbalance") is not None:
+            yield g("kvd_cluster_imbalance", "Fullest shard's pressure over the mean", value=cluster["imbalance"])
         yield g("kvd_cluster_topology_epoch", "Topology epoch", value=cluster["topology_epoch"])
         yield CounterMetricFamily("kvd_policy_upgrades", "Changes to a more compact level",
                                   value=cluster.get("upgrades", 0))
@@ -136,21 +168,36 @@ class StatusMetrics:
             "tokens": g("kvd_shard_tokens", "Tokens held", labels=["shard"]),
             "sequences": g("kvd_shard_sequences", "Sequences held", labels=["shard"]),
             "evictions": CounterMetricFamily("kvd_shard_evictions", "Sequences evicted", labels=["shard"]),
+            "refusals": CounterMetricFamily("kvd_shard_refusals", "Appends refused for want of room",
+                                            labels=["shard"]),
+            "recompressed_pages": CounterMetricFamily("kvd_shard_recompressed_pages", "Pages re-encoded more "
+                                                      "compactly (compaction)", labels=["shard"]),
+            "squeezes": CounterMetricFamily("kvd_shard_squeezes", "Appends that compressed pages to make room",
+                                            labels=["shard"]),
             "rps": g("kvd_shard_requests_per_second", "Requests per second", labels=["shard"]),
         }
         by_level = g("kvd_shard_level_bytes", "Bytes of pages by page format", labels=["shard", "level"])
+        ahead = g("kvd_shard_ahead_level", "Level a shard runs at ahead of the cluster under its own pressure "
+                  "(-1: none)", labels=["shard"])
+        why = g("kvd_shard_level_reason", "Why the shard's level is what it is (the label)",
+                labels=["shard", "reason"])
         for sid, s in shards.items():
             families["up"].add_metric([sid], 1.0 if isinstance(s, dict) else 0.0)
             if not isinstance(s, dict):
                 continue
             families["level"].add_metric([sid], rank.get(str(s.get("level")), -1))
             families["rps"].add_metric([sid], float(s.get("server_requests_per_s") or 0.0))
-            for key in ("epoch", "pressure", "used_bytes", "capacity_bytes", "tokens", "sequences", "evictions"):
+            for key in ("epoch", "pressure", "used_bytes", "capacity_bytes", "tokens", "sequences", "evictions",
+                        "refusals", "recompressed_pages", "squeezes"):
                 families[key].add_metric([sid], float(s.get(key, 0)))
+            ahead.add_metric([sid], float(rank.get(str(s.get("ahead")), -1)))
+            why.add_metric([sid, str(s.get("level_reason", ""))], 1.0)
             for level, n in (s.get("bytes_by_level") or {}).items():
                 by_level.add_metric([sid, level], float(n))
         yield from families.values()
         yield by_level
+        yield ahead
+        yield why
 
     def close(self) -> None:
         self.server.shutdown()

@@ -169,8 +169,8 @@ def test_up_status_metrics_bench_and_down(running: tuple[Running, str, str, int]
 
     status = kvd("status", "--address", endpoint)
     assert status.returncode == 0, status.stderr
-    for column in ("shard", "level", "epoch", "pressure", "bytes by level", "tokens", "sequences", "evictions",
-                   "req/s"):
+    for column in ("shard", "level", "epoch", "pressure", "bytes by level", "tokens", "sequences", "compactions",
+                   "evictions", "refusals", "req/s", "fullest shard / mean pressure"):
         assert column in status.stdout
     assert "shard-0" in status.stdout and "shard-1" in status.stdout and "fp16" in status.stdout
     # Without --address, status finds the local `kvd up` of the namespace.
@@ -193,6 +193,9 @@ def test_up_status_metrics_bench_and_down(running: tuple[Running, str, str, int]
         time.sleep(0.2)
     assert 'kvd_shard_up{shard="shard-0"} 1.0' in text and "kvd_cluster_level_epoch" in text
     assert "kvd_shard_requests_per_second" in text
+    for family in ("kvd_shard_refusals", "kvd_shard_recompressed_pages", "kvd_shard_squeezes",
+                   "kvd_shard_ahead_level", "kvd_shard_level_reason"):
+        assert family in text, family
 
     down = kvd("down", "--namespace", namespace, timeout_s=90)
     assert down.returncode == 0, down.stderr
