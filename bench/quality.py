@@ -21,10 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvd.codec import (
-    kernels,
-    pages,  # noqa: E402
-)
+from kvd.codec import kernels, pages  # noqa: E402
 from kvd.codec import reference as ref  # noqa: E402
 from kvd.evaluate import N_QUERIES, eps_o, load_sample  # noqa: E402
 
