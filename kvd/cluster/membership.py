@@ -18,7 +18,9 @@ default) or ``sum(used) / sum(capacity)`` over the shards that are up (mode ``"s
 shard evicts when *it* is full, whatever the others hold, and routing by rendezvous hashing fills shards
 unevenly by chance (3 shards of 7 sequences each plus one more: that shard at 0.98, the sum at 0.89 and never
 at the q4 threshold; the issue that made "max" the default). ``max(sum, fullest)`` is the fullest, so "max" is
-that blend; "sum" stays for clusters whose shards are meant to fill unevenly. Reports also carry
+that blend; "sum" stays for clusters whose shards are meant to fill unevenly. A shard that ran ahead to a rung
+under its own pressure (kvd.store.compact) counts as at least that rung's threshold full, so the next epoch
+catches the cluster up with it. Reports also carry
 ``used_by_rung`` (the bytes re-counted at each rung's density), aggregated the same way and handed to the
 policy, which steps down only when the data would fit there (kvd.policy). The policy gets one sample per report
 *round*: when every up shard has reported since the last sample (or, if one is late, two report intervals
@@ -444,10 +446,22 @@ class Membership:
         up = self._up()
         if not up:
             return None
-        used = (lambda s: s.used_bytes) if rung is None else (lambda s: s.pressure_at(rung) * s.capacity_bytes)
+        if rung is None:
+            used = self._used_with_leads
+        else:
+            used = lambda s: s.pressure_at(rung) * s.capacity_bytes  # noqa: E731
         if (mode or self._mode) == "max":
             return max(used(s) / s.capacity_bytes for s in up)
         return sum(used(s) for s in up) / sum(s.capacity_bytes for s in up)
+
+    def _used_with_leads(self, s: ShardState) -> float:
+        """A shard that ran ahead to a rung filled up below it: it counts as at least that rung's threshold
+        full, so the cluster's next epoch catches up with the leads instead of watching them."""
+        if s.ahead is None:
+            return s.used_bytes
+        cfg = self._policy.config
+        floor = cfg.q4_threshold if Level.from_tag(s.ahead).rung == 2 else cfg.q8_threshold
+        return max(s.used_bytes, floor * s.capacity_bytes)
 
     def _pressure_at_rungs(self) -> tuple[float, float, float] | None:
         at = [self._pressure(rung=r) for r in range(3)]

@@ -43,7 +43,8 @@ class Cluster:
         if epoch > self.epoch[sid]:  # what Store.set_level does
             self.epoch[sid], self.level[sid] = epoch, level.tag
 
-    def report(self, sid: str, used: int, cap: int = CAP, used_by_rung: tuple[int, int, int] | None = None):
+    def report(self, sid: str, used: int, cap: int = CAP, used_by_rung: tuple[int, int, int] | None = None,
+               ahead: str | None = None):
         outcome = self.m.report(
             ShardReport(
                 shard_id=sid,
@@ -54,6 +55,7 @@ class Cluster:
                 level=self.level[sid],
                 epoch=self.epoch[sid],
                 used_by_rung=used_by_rung,
+                ahead=ahead,
             ),
             now=self.now,
         )
@@ -381,3 +383,21 @@ def test_reports_refuse_malformed_recounts() -> None:
     with pytest.raises(InvalidArgument):
         ShardReport(**base, ahead="q5")
     assert ShardReport(**base, used_by_rung=[3, 2, 1]).used_by_rung == (3, 2, 1)  # type: ignore[arg-type]
+
+
+def test_shards_running_ahead_pull_the_cluster_up_to_their_level() -> None:
+    """Shards that compressed themselves to q4 to make room hover below the q4 threshold once they evicted or
+    freed memory; their lead counts as that rung's threshold, so the cluster's level catches up with them."""
+    c = Cluster(mode="max").start()
+    for _ in range(3):
+        for sid in c.ids:
+            c.report(sid, 900, ahead="q4")  # measured 0.90: below 0.95, but they ran ahead to q4
+        c.now += INTERVAL_S
+    assert c.m.level is Level.Q4
+    c2 = Cluster(mode="max").start()
+    c2.round(500)
+    assert c2.m.level is Level.FP16
+    c2.now += INTERVAL_S
+    for sid in c2.ids:
+        c2.report(sid, 500, ahead="q8" if sid == "shard-1" else None)  # one shard filled up at fp16
+    assert c2.m.level is Level.Q8
