@@ -31,6 +31,11 @@ For each sample ``p``:
    none fits the level holds. Without ``at_rungs`` (or right after a rise, when nothing is compressed yet) the
    re-count equals ``s`` and this is step 4 exactly: the seed policy's semantics where there is no conflict.
 6. Clamp into [min_level, max_level] (on rungs, see :class:`PolicyConfig`).
+7. **One step down per drop.** While pressure falls the EWMA passes through the bands in between, so a drop
+   from q4 to nothing went q4 -> 8-bit -> fp16, two changes for one drop in demand. A step down is therefore
+   taken only when the newest sample (with its raw re-counts) asks for the same rung as the smoothed values;
+   while they disagree the level holds. The EWMA still decides *when* (noise does not move the level); the
+   agreement decides *where* (one step, to where the data settles). With ``ewma_alpha = 1`` they always agree.
 
 Every change of level counts one upgrade (more compact) or one downgrade (less compact), however many rungs
 it spans, and :attr:`Policy.reason` says why in words. The level starts at ``min_level``. The policy is pure
@@ -320,24 +325,12 @@ class Policy:
             self._ewma = s
             self._samples += 1
 
-            if s >= cfg.q4_threshold:
-                target = 2
-            elif s >= cfg.q8_threshold:
-                target = 1
-            else:
-                target = 0
             current = self._rung
-            # Hysteresis on the way down only: hold the current rung inside its margin below the threshold.
-            if target < current:
-                if current == 2 and s >= cfg.q4_threshold - cfg.hysteresis:
-                    target = 2
-                elif s >= cfg.q8_threshold - cfg.hysteresis:
-                    target = 1  # from the 8-bit rung: hold; from q4: stop on the 8-bit rung inside its margin
-            bounds = (cfg.q8_threshold - cfg.hysteresis, cfg.q4_threshold - cfg.hysteresis)
-            wanted = target
-            while target < current and not self._ewma_at[target] < bounds[target]:
-                target += 1  # the data would not fit there: try one rung more compact, or hold
-            target = min(self._max_rung, max(self._min_rung, target))
+            wanted, target = self._target(s, self._ewma_at, current)
+            target = self._clamp(target)
+            held = False
+            if target < current and self._clamp(self._target(p, at, current)[1]) != target:
+                held, target = True, current  # still moving: step once, where smoothed and newest agree
             names = ("fp16", cfg.eight_bit.tag, "q4")
             if target > current:
                 self._upgrades += 1
@@ -350,15 +343,44 @@ class Policy:
                 self._downgrades += 1
                 self._reason = (
                     f"down to {names[target]}: smoothed pressure {s:.3f}, and the data re-counted at "
-                    f"{names[target]} {self._ewma_at[target]:.3f} < {bounds[target]:.2f}"
+                    f"{names[target]} {self._ewma_at[target]:.3f} < {self._bounds()[target]:.2f}"
+                )
+            elif held:
+                self._reason = (
+                    f"held at {names[current]}: pressure still moving (smoothed {s:.3f}, newest {p:.3f}); one "
+                    "step down once both point to the same level"
                 )
             elif wanted < current and target == current:
                 self._reason = (
                     f"held at {names[current]}: smoothed pressure {s:.3f} is low, but the data re-counted at "
-                    f"{names[wanted]} {self._ewma_at[wanted]:.3f} would not stay under {bounds[wanted]:.2f}"
+                    f"{names[wanted]} {self._ewma_at[wanted]:.3f} would not stay under "
+                    f"{self._bounds()[wanted]:.2f}"
                 )
             self._rung = target
             return cfg.rungs[target]
+
+    def _bounds(self) -> tuple[float, float]:
+        """The pressure a rung must stay under to be stepped down to: fp16, the 8-bit rung."""
+        cfg = self._config
+        return cfg.q8_threshold - cfg.hysteresis, cfg.q4_threshold - cfg.hysteresis
+
+    def _target(self, s: float, recounts: Any, current: int) -> tuple[int, int]:
+        """(the rung ``s`` asks for with hysteresis, the rung taken once the re-counts must fit there)."""
+        cfg = self._config
+        target = 2 if s >= cfg.q4_threshold else 1 if s >= cfg.q8_threshold else 0
+        # Hysteresis on the way down only: hold the current rung inside its margin below the threshold.
+        if target < current:
+            if current == 2 and s >= cfg.q4_threshold - cfg.hysteresis:
+                target = 2
+            elif s >= cfg.q8_threshold - cfg.hysteresis:
+                target = 1  # from the 8-bit rung: hold; from q4: stop on the 8-bit rung inside its margin
+        wanted, bounds = target, self._bounds()
+        while target < current and not recounts[target] < bounds[target]:
+            target += 1  # the data would not fit there: try one rung more compact, or hold
+        return wanted, target
+
+    def _clamp(self, rung: int) -> int:
+        return min(self._max_rung, max(self._min_rung, rung))
 
     def reset(self) -> None:
         """Back to ``min_level``; counters, EWMA and samples to zero (the next sample is a first sample)."""

@@ -515,6 +515,30 @@ def test_from_q4_the_step_down_stops_where_the_data_fits() -> None:
     assert policy.downgrades == 1
 
 
+def test_one_drop_in_demand_is_one_step_down() -> None:
+    """Smoothed pressure falling from q4 passes through the 8-bit band; the level waits until the smoothed and
+    the newest pressure agree, then steps once, straight to where demand settled."""
+    policy = Policy()
+    feed(policy, [1.0] * 20)
+    levels = [policy.observe(0.05, (0.1, 0.05, 0.03)) for _ in range(30)]
+    assert policy.level is Level.FP16 and policy.downgrades == 1
+    assert Level.Q8 not in levels
+    policy = Policy()
+    feed(policy, [1.0] * 20)
+    for _ in range(30):
+        policy.observe(0.85, (1.0, 0.85, 0.6))  # demand fell to the 8-bit band and stays
+    assert policy.level is Level.Q8 and policy.downgrades == 1
+
+
+def test_noise_around_a_band_does_not_step_down() -> None:
+    policy = Policy()
+    feed(policy, [1.0] * 20)
+    rng = np.random.default_rng(3)
+    for p in rng.uniform(0.80, 0.99, 200):  # mostly inside q4's band, sometimes below it
+        policy.observe(float(p), (1.0, float(p), 0.6))
+    assert policy.downgrades <= 1
+
+
 def test_without_a_recount_the_seed_rules_hold() -> None:
     """Passing the measured pressure as every re-count is the seed policy, sample for sample."""
     rng = np.random.default_rng(5)
