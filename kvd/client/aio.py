@@ -165,6 +165,11 @@ class AsyncClient(_Core):
             lambda rid: p.LengthRequest(request_id=rid, namespace=namespace, seq_id=seq_id), namespace, seq_id,
             timeout_s))
 
+    async def lengths(self, namespace: str, seq_ids: Sequence[p.SeqId], *,
+                      timeout_s: float | None = None) -> list[int | None]:
+        """See :meth:`Client.lengths`."""
+        return await self._drive(self._plan_lengths(namespace, seq_ids, timeout_s))
+
     async def explain(self, namespace: str, seq_id: p.SeqId, layer: int, token: int, *,
                       timeout_s: float | None = None) -> dict[str, Any]:
         """See :meth:`Client.explain`."""

@@ -25,6 +25,7 @@ from kvd.errors import (
     ProtocolError,
     ShardUnavailable,
     Timeout,
+    UnknownSequence,
     UnsupportedVersion,
 )
 from kvd.wire import protocol as p
@@ -40,7 +41,7 @@ DEFAULT_TIMEOUT_S = 10.0
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
 DEFAULT_WINDOW = 64  # requests in flight per *_many call; well under a shard's admission queue
 _BUSY_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
-_IDEMPOTENT = frozenset({"get", "length", "stats", "explain", "register"})
+_IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register"})
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _MONITOR_IDS = itertools.count()
@@ -82,8 +83,8 @@ def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class _Conn:
     """One DEALER to one server, with the replies received for requests still waited for."""
 
-    __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "waiting", "replies",
-                 "reader", "rcvtimeo", "closed")
+    __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "waiting",
+                 "replies", "reader", "rcvtimeo", "closed")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
         self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
@@ -91,6 +92,7 @@ class _Conn:
         self.hello: p.HelloReply | None = None
         self.limits = p.DEFAULT_LIMITS
         self.packs = False  # the server takes get's packed field (protocol 1.1)
+        self.lookups = False  # the server answers lengths (protocol 1.2)
         self.waiting: dict[int, Any] = {}  # id -> None (sync: reply not yet in) or a Future (async)
         self.replies: dict[int, Any] = {}
         self.reader: asyncio.Task[None] | None = None
@@ -157,6 +159,7 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
                                "as the topology said")
     conn.hello, conn.limits, conn.shard_id = reply, reply.limits, reply.shard_id
     conn.packs = reply.protocol_minor >= 1
+    conn.lookups = reply.protocol_minor >= 2  # the lengths operation
 
 
 def _value(req: Any, reply: Any) -> Any:
@@ -168,6 +171,10 @@ def _value(req: Any, reply: Any) -> Any:
         raise ProtocolError(f"reply {type(reply).__name__} does not answer {type(req).__name__}")
     if isinstance(reply, (p.AppendReply, p.LengthReply)):
         return reply.length
+    if isinstance(reply, p.LengthsReply):
+        if len(reply.lengths) != len(req.seq_ids):
+            raise ProtocolError(f"lengths reply holds {len(reply.lengths)} items for {len(req.seq_ids)} seq_ids")
+        return list(reply.lengths)
     if isinstance(reply, p.GetReply):
         return reply.keys, reply.values
     if isinstance(reply, p.GetPagesReply):
@@ -472,6 +479,40 @@ class _Core:
             a = yield from self._plan_get(namespace, seq_id, start, mid, layers, fmt, timeout_s)
             b = yield from self._plan_get(namespace, seq_id, mid, stop, layers, fmt, timeout_s)
             return np.concatenate([a[0], b[0]], axis=1), np.concatenate([a[1], b[1]], axis=1)
+
+    def _plan_lengths(self, namespace: str, seq_ids: Sequence[p.SeqId], timeout_s: float | None) -> Plan:
+        """Lengths of many sequences (None: no such sequence), one ``lengths`` request per shard, all in flight
+        at once; a shard older than protocol 1.2 gets pipelined ``length`` requests instead."""
+        ids = list(seq_ids)
+        deadline, tmo = self._deadline(timeout_s), self._tmo(timeout_s)
+        groups: dict[str, tuple[dict[str, str], list[int]]] = {}
+        for i, sid in enumerate(ids):
+            shard = self._topo.owner(namespace, sid)
+            groups.setdefault(shard["id"], (shard, []))[1].append(i)
+        sent: list[tuple[_Conn, Any, list[int]]] = []
+        for shard, idxs in groups.values():
+            conn = yield from self._g_conn(shard, deadline)
+            batches = ([idxs[a : a + p.MAX_LOOKUP] for a in range(0, len(idxs), p.MAX_LOOKUP)] if conn.lookups
+                       else [[i] for i in idxs])
+            for batch in batches:
+                rid = next(self._ids)
+                req: Any = (p.LengthsRequest(request_id=rid, namespace=namespace, seq_ids=[ids[i] for i in batch])
+                            if conn.lookups else p.LengthRequest(request_id=rid, namespace=namespace,
+                                                                 seq_id=ids[batch[0]]))
+                yield ("send", conn, req, deadline)
+                sent.append((conn, req, batch))
+        out: list[int | None] = [None] * len(ids)
+        for conn, req, batch in sent:
+            reply = yield ("wait", conn, req, deadline, tmo)
+            if _is_busy(reply):
+                reply = yield from self._g_roundtrip(conn, _renumber(req, next(self._ids)), deadline, tmo)
+            try:
+                found = _value(req, reply)
+            except UnknownSequence:
+                found = None
+            for i, n in zip(batch, found if isinstance(req, p.LengthsRequest) else [found], strict=True):
+                out[i] = n
+        return out
 
     def _plan_shard_stats(self, timeout_s: float | None) -> Plan:
         def make(rid: int) -> p.StatsRequest:

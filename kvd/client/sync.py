@@ -251,6 +251,13 @@ class Client(_Core):
             lambda rid: p.LengthRequest(request_id=rid, namespace=namespace, seq_id=seq_id), namespace, seq_id,
             timeout_s))
 
+    def lengths(self, namespace: str, seq_ids: Sequence[p.SeqId], *,
+                timeout_s: float | None = None) -> list[int | None]:
+        """Tokens stored for each sequence, None where there is none (never appended, dropped, evicted), in
+        order: one request per shard, all in flight at once (a prefix lookup of any length costs one round
+        trip). Does not count as a use for LRU. Raises UnknownNamespace if a shard does not know the namespace."""
+        return self._drive(self._plan_lengths(namespace, seq_ids, timeout_s))
+
     def explain(self, namespace: str, seq_id: p.SeqId, layer: int, token: int, *,
                 timeout_s: float | None = None) -> dict[str, Any]:
         """Why a token is stored as it is: ``{"level", "reasons", ...}`` (Store.explain)."""

@@ -556,6 +556,18 @@ class Store(Compaction, Eviction):
         with self._lock:
             return self._sequence(namespace, seq_id).length
 
+    def lengths(self, namespace: str, seq_ids: Iterable[SeqId]) -> list[int | None]:
+        """Tokens stored for each sequence, None where there is no such sequence (one lock, one namespace check:
+        a prefix lookup). A lookup is not a use: LRU order does not change. Raises UnknownNamespace."""
+        with self._lock:
+            name = self._namespace(namespace).name
+            seqs = self._seqs
+            out: list[int | None] = []
+            for sid in seq_ids:
+                seq = seqs.get((name, seq_id_arg(sid)))
+                out.append(None if seq is None else seq.length)
+            return out
+
     def drop(self, namespace: str, seq_id: SeqId) -> bool:
         """Forget a sequence and free its memory. Returns False if there was no such sequence."""
         with self._lock:

@@ -41,12 +41,14 @@ from kvd.wire.schema import (
     check_namespace,
     check_opt_info,
     check_opt_position,
+    check_opt_positions,
     check_page_entry,
     check_position,
     check_request_id,
     check_required_layers,
     check_role,
     check_seq_id,
+    check_seq_ids,
     check_shards,
     check_short_text,
     check_tensors,
@@ -238,6 +240,17 @@ class LengthRequest(_Message):
     FIELDS = _NS_SEQ
     namespace: str
     seq_id: SeqId
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LengthsRequest(_Message):
+    """Store.lengths: many sequences of one namespace in one request (protocol 1.2; a prefix lookup costs one
+    round trip per shard). Reply: :class:`LengthsReply`."""
+
+    OP = "lengths"
+    FIELDS = (("namespace", check_namespace), ("seq_ids", check_seq_ids))
+    namespace: str
+    seq_ids: tuple[SeqId, ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -461,6 +474,15 @@ class LengthReply(_Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LengthsReply(_Message):
+    """``lengths``: one item per requested seq_id, in order: its length, or nil when no such sequence."""
+
+    OP = "lengths"
+    FIELDS = (("lengths", check_opt_positions),)
+    lengths: tuple[int | None, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StatsReply(_Message):
     """Store.stats() plus server counters; numpy scalars are turned into Python numbers."""
 
@@ -527,6 +549,7 @@ Request = (
     | GetRequest
     | DropRequest
     | LengthRequest
+    | LengthsRequest
     | StatsRequest
     | ExplainRequest
     | TopologyRequest
@@ -540,6 +563,7 @@ Reply = (
     | GetPagesReply
     | DropReply
     | LengthReply
+    | LengthsReply
     | StatsReply
     | ExplainReply
     | TopologyReply
@@ -555,6 +579,7 @@ REQUESTS: dict[str, type[_Message]] = {
         GetRequest,
         DropRequest,
         LengthRequest,
+        LengthsRequest,
         StatsRequest,
         ExplainRequest,
         TopologyRequest,
@@ -569,6 +594,7 @@ _REPLIES: dict[str, type[_Message]] = {
         AppendReply,
         DropReply,
         LengthReply,
+        LengthsReply,
         StatsReply,
         ExplainReply,
         TopologyReply,

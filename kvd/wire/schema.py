@@ -28,8 +28,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype("<u2")
 
 PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
-PROTOCOL_MINOR = 1  # additions a client can discover through hello; never changes the meaning of old fields
+PROTOCOL_MINOR = 2  # additions a client can discover through hello; never changes the meaning of old fields
 # 1.1: get's ``packed`` field (pages in few frames, docs/protocol.md §6.5)
+# 1.2: the ``lengths`` operation (many sequences' lengths in one request, docs/protocol.md §6.11)
+MAX_LOOKUP = 4096  # seq_ids in one ``lengths`` request
 
 _KIB = 1024
 _MIB = 1024 * _KIB
@@ -184,6 +186,20 @@ def check_get_format(name: str, value: Any, exc: type[KvdError]) -> str:
     if value not in GET_FORMATS:
         raise InvalidArgument(f"{name} must be one of {', '.join(GET_FORMATS)}, got {value[:80]!r}")
     return value
+
+
+def check_seq_ids(name: str, value: Any, exc: type[KvdError]) -> tuple[SeqId, ...]:
+    items = check_array(name, value, exc)
+    if not 1 <= len(items) <= MAX_LOOKUP:
+        raise exc(f"{name} must hold 1 to {MAX_LOOKUP} sequence ids, got {len(items)}")
+    return tuple(check_seq_id(f"{name}[{i}]", v, exc) for i, v in enumerate(items))
+
+
+def check_opt_positions(name: str, value: Any, exc: type[KvdError]) -> tuple[int | None, ...]:
+    items = check_array(name, value, exc)
+    if len(items) > MAX_LOOKUP:
+        raise exc(f"{name} must hold at most {MAX_LOOKUP} items, got {len(items)}")
+    return tuple(None if v is None else check_position(f"{name}[{i}]", v, exc) for i, v in enumerate(items))
 
 
 def check_text_list(name: str, value: Any, exc: type[KvdError]) -> tuple[str, ...]:

@@ -438,7 +438,8 @@ class ShardServer(_RouterServer):
         self._handlers: dict[type, Callable[[Any], Any]] = {
             p.HelloRequest: self._on_hello, p.PingRequest: lambda r: p.PingReply.trusted(request_id=r.request_id),
             p.RegisterRequest: self._on_register, p.AppendRequest: self._on_append, p.GetRequest: self._on_get,
-            p.DropRequest: self._on_drop, p.LengthRequest: self._on_length, p.StatsRequest: self._on_stats,
+            p.DropRequest: self._on_drop, p.LengthRequest: self._on_length,
+            p.LengthsRequest: self._on_lengths, p.StatsRequest: self._on_stats,
             p.ExplainRequest: self._on_explain}
 
     @property
@@ -521,6 +522,11 @@ class ShardServer(_RouterServer):
     def _on_length(self, req: p.LengthRequest) -> p.LengthReply:
         return p.LengthReply.trusted(request_id=req.request_id,
                                      length=int(self._store.length(req.namespace, req.seq_id)))
+
+    def _on_lengths(self, req: p.LengthsRequest) -> p.LengthsReply:
+        found = self._store.lengths(req.namespace, req.seq_ids)
+        return p.LengthsReply.trusted(request_id=req.request_id,
+                                      lengths=tuple(None if n is None else int(n) for n in found))
 
     def _on_stats(self, req: p.StatsRequest) -> p.StatsReply:
         stats = dict(self._store.stats())

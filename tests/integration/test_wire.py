@@ -26,6 +26,7 @@ from kvd.errors import (
     InvalidArgument,
     LayoutMismatch,
     NonFiniteError,
+    ProtocolError,
     ShardUnavailable,
     Timeout,
     UnknownNamespace,
@@ -483,6 +484,80 @@ def test_routing_by_shard_id_through_the_coordinator(two_shards: list[ServerProc
             assert all(listed.length("route", s) == 3 for s in seqs)
     finally:
         coordinator.stop()
+
+
+@pytest.mark.timeout(60)
+def test_lengths_of_many_sequences_cost_one_request_per_shard(two_shards: list[ServerProcess]) -> None:
+    """A prefix lookup of any length: one lengths request to each shard, in flight together, answers in the
+    caller's order with None for what is not there; sync and asyncio alike."""
+    endpoints = [s.endpoint for s in two_shards]
+    with Client(endpoints, timeout_s=10) as c:
+        c.register("lookup", **LAYOUT)
+        k, v = kv(tokens=5)
+        stored = [f"blk-{i}" for i in range(0, 300, 2)]
+        for s in stored:
+            c.append("lookup", s, k[:, : 1 + len(s) % 5], v[:, : 1 + len(s) % 5])
+        asked = [f"blk-{i}" for i in range(300)]
+        before = [srv.metrics()["requests"] for srv in two_shards]
+        got = c.lengths("lookup", asked)
+        after = [srv.metrics()["requests"] for srv in two_shards]
+        assert got == [1 + len(s) % 5 if s in stored else None for s in asked]
+        assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1]
+        assert c.lengths("lookup", []) == []
+        with pytest.raises(UnknownNamespace):
+            c.lengths("never-registered", ["x"])
+
+        async def lookup() -> list[int | None]:
+            async with AsyncClient(endpoints, timeout_s=10) as ac:
+                return await ac.lengths("lookup", asked[:10])
+
+        assert asyncio.run(lookup()) == got[:10]
+
+
+def _old_shard(router: zmq.Socket[Any], store: Store, seen: list[str], stop: threading.Event) -> None:
+    """A shard of protocol 1.1: it knows no lengths operation."""
+    while not stop.is_set():
+        if not router.poll(50):
+            continue
+        ident, *frames = router.recv_multipart()
+        req = p.parse_request(frames)
+        seen.append(getattr(req, "OP", "?"))
+        if isinstance(req, p.HelloRequest):
+            reply: Any = p.HelloReply.for_limits(p.Limits(), request_id=req.request_id, kvd_version="0.1.0",
+                                                 page_format_version=1, shard_id="old", page_tokens=64,
+                                                 protocol_minor=1)
+        elif isinstance(req, p.LengthRequest):
+            try:
+                reply = p.LengthReply(request_id=req.request_id, length=store.length(req.namespace, req.seq_id))
+            except UnknownSequence as exc:
+                reply = p.error_reply(req.request_id, exc)
+        else:
+            reply = p.error_reply(getattr(req, "request_id", None), ProtocolError("unknown op"))
+        router.send_multipart([ident, *p.encode_reply(reply)])
+
+
+@pytest.mark.timeout(60)
+def test_lengths_from_a_server_before_protocol_1_2_come_from_pipelined_length_requests() -> None:
+    store = Store(16 << 20)
+    store.register(NS, **LAYOUT)
+    k, v = kv(tokens=3)
+    store.append(NS, "a", k, v)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[str] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=_old_shard, args=(router, store, seen, stop), daemon=True)
+    thread.start()
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=5) as c:
+            assert c.lengths(NS, ["a", "b", "a"]) == [3, None, 3]
+        assert "lengths" not in seen and seen.count("length") == 3
+    finally:
+        stop.set()
+        thread.join(5)
+        router.close(0)
+        ctx.term()
 
 
 @pytest.mark.timeout(60)

@@ -139,6 +139,8 @@ def examples() -> dict[str, Any]:
         "drop_reply": p.DropReply(request_id=10, dropped=True),
         "length_request": p.LengthRequest(request_id=11, namespace="smollm2", seq_id=17),
         "length_reply": p.LengthReply(request_id=11, length=4096),
+        "lengths_request": p.LengthsRequest(request_id=19, namespace="smollm2", seq_ids=("blk-0", 17, "blk-2")),
+        "lengths_reply": p.LengthsReply(request_id=19, lengths=(128, None, 128)),
         "stats_request": p.StatsRequest(request_id=12),
         "stats_reply": p.StatsReply(request_id=12, stats={
             "used_bytes": 1 << 30, "capacity_bytes": 1 << 32, "pressure": 0.25, "level": "fp16", "epoch": 0,
@@ -1060,3 +1062,21 @@ if __name__ == "__main__":
         print(f"wrote {len(examples())} fixtures to {FIXTURES}")
     else:
         print("usage: python tests/unit/test_protocol.py --write-fixtures")
+
+
+def test_lengths_requests_and_replies_are_bounded_and_checked() -> None:
+    ok = p.LengthsRequest(request_id=1, namespace="n", seq_ids=["a", 2])
+    assert ok.seq_ids == ("a", 2)
+    for bad, match in (([], "1 to 4096"), (["x"] * (p.MAX_LOOKUP + 1), "1 to 4096"), (["a", -1], r"seq_ids\[1\]"),
+                       ("abc", "must be an array")):
+        with pytest.raises(InvalidArgument, match=match):
+            p.LengthsRequest(request_id=1, namespace="n", seq_ids=bad)
+    assert p.LengthsReply(request_id=1, lengths=[None, 3]).lengths == (None, 3)
+    with pytest.raises(InvalidArgument, match=r"lengths\[0\]"):
+        p.LengthsReply(request_id=1, lengths=[-2])
+    # on the wire: a header naming too many seq_ids is refused as a protocol error, with its id
+    frames = p.encode_request(ok)
+    header = msgpack.unpackb(bytes(frames[0]))
+    header["seq_ids"] = []
+    reply = p.parse_request([msgpack.packb(header)])
+    assert isinstance(reply, p.ErrorReply) and reply.request_id == 1

@@ -659,3 +659,17 @@ def test_real_kv_through_the_store_at_each_level(sample: dict[str, np.ndarray], 
     assert s.stats()["pages_by_level"] == (
         {"fp16": n_layers * 8} if level == "fp16" else {"fp16": n_layers, fmt: n_layers * 7}
     )
+
+
+def test_lengths_answers_many_sequences_at_once_without_touching_lru() -> None:
+    s = store(capacity=4 * MiB)
+    for sid, t in (("a", 70), (3, 5), ("c", 128)):
+        s.append(NS, sid, *kv(2, t, 3, 64))
+    order = list(s._seqs)  # least recently used first
+    assert s.lengths(NS, ["a", "missing", 3, "c", 3]) == [70, None, 5, 128, 5]
+    assert list(s._seqs) == order  # a lookup is not a use
+    assert s.lengths(NS, []) == []
+    with pytest.raises(UnknownNamespace):
+        s.lengths("nope", ["a"])
+    with pytest.raises(InvalidArgument):
+        s.lengths(NS, [-1])
