@@ -350,8 +350,8 @@ class Store(Compaction, Eviction):
         keep = min(t, f2)  # the last `keep` input tokens end in the hot tail: checked here, copied below
         try:
             if keep:
-                sp.refuse_nonfinite(k16[:, t - keep :], "keys", n2 - keep)
-                sp.refuse_nonfinite(v16[:, t - keep :], "values", n2 - keep)
+                sp.refuse_nonfinite(k16[:, t - keep :], "keys", n2 - keep, first=n)
+                sp.refuse_nonfinite(v16[:, t - keep :], "values", n2 - keep, first=n)
             if f:
                 assert tail is not None
                 m = min(t, p - f)  # rows [f, f+m) of the tail are not visible until the length moves
@@ -367,7 +367,7 @@ class Store(Compaction, Eviction):
                 recs = sp.take_row(self._ledger.pool, plan.layers, taken)
                 jobs.append((recs, plan.layers, plan.batch, src_k, src_v, a, r))
                 sealed.append((recs, plan))
-            sp.seal_rows(jobs, p, parallel=len(jobs) * ns.tail_bytes >= page_batch.PARALLEL_MIN_BYTES)
+            sp.seal_rows(jobs, p, parallel=len(jobs) * ns.tail_bytes >= page_batch.PARALLEL_MIN_BYTES, first=n)
             exit_flags = sp.FLAG_WINDOW | self._ahead_flag()
             for r in exits if recode else ():
                 assert seq is not None

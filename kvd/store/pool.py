@@ -194,16 +194,19 @@ class BufferPool:
         return released
 
 
-def refuse_nonfinite(a: np.ndarray, name: str, t0: int, layer0: int = 0) -> None:
-    """Raise NonFiniteError naming the first NaN/Inf of float16 ``a`` ``[L, T, H, D]`` as ``name[layer, token,
-    head, dim]`` (layers offset by ``layer0``, tokens by ``t0``: positions in the sequence)."""
+def refuse_nonfinite(a: np.ndarray, name: str, t0: int, layer0: int = 0, first: int | None = None) -> None:
+    """Raise NonFiniteError naming the first NaN/Inf of float16 ``a`` ``[L, T, H, D]`` as the caller's
+    ``name[layer, token, head, dim]``: layers offset by ``layer0``; ``a``'s token 0 is token ``t0`` of the
+    sequence and the caller's array starts at token ``first`` of it (``t0`` if None)."""
     if page_batch.any_nonfinite(a) is False:  # the usual answer, in one C pass instead of four numpy ones
         return
     bad = (a.view(np.uint16) & 0x7FFF) >= 0x7C00
     if bad.any():
         i, t, h, d = (int(x) for x in np.argwhere(bad)[0])
+        at = t0 + t - (t0 if first is None else first)
         raise NonFiniteError(
-            f"{name}[{layer0 + i}, {t0 + t}, {h}, {d}] = {float(a[i, t, h, d])} is not finite; nothing was stored"
+            f"{name}[{layer0 + i}, {at}, {h}, {d}] = {float(a[i, t, h, d])} is not finite (token {t0 + t} of the "
+            "sequence); nothing was stored"
         )
 
 
@@ -251,12 +254,12 @@ def take_row(pool: BufferPool, layers: RowLayers, taken: Taken) -> list[bytearra
     return recs
 
 
-def seal_rows(jobs: list[SealJob], p: int, *, parallel: bool) -> None:
+def seal_rows(jobs: list[SealJob], p: int, *, parallel: bool, first: int = 0) -> None:
     """Encode rows of pages into their records: every layer's tokens ``[a, a + p)`` of the job's ``src_k`` /
     ``src_v`` ``[L, T, H, D]``. The hot path of an append: rows with a C spec go to the batched codec (split
     over two threads when ``parallel``), the rest and any row it stops at page by page, in row order, so a
-    NonFiniteError names the first bad value (``values[layer, token, head, dim]``). Records are left to the
-    caller."""
+    NonFiniteError names the first bad value (``values[layer, token, head, dim]`` of the caller's arrays, whose
+    token 0 is token ``first`` of the sequence). Records are left to the caller."""
     left: dict[int, int] = {}  # job index -> first layer the C path did not encode
 
     def encode(part: Sequence[tuple[int, SealJob]]) -> list[tuple[int, int]]:
@@ -282,7 +285,7 @@ def seal_rows(jobs: list[SealJob], p: int, *, parallel: bool) -> None:
                 name = "values"
                 enc(src_v[i, a:b], fmt, mv[kb : kb + vb], role="value", raw_heads=rh)
             except NonFiniteError as exc:  # name the value as the checks of unencoded tokens do
-                refuse_nonfinite((src_k if name == "keys" else src_v)[i : i + 1, a:b], name, row * p, i)
+                refuse_nonfinite((src_k if name == "keys" else src_v)[i : i + 1, a:b], name, row * p, i, first)
                 raise NonFiniteError(f"{name} of layer {i}, tokens [{row * p}, {row * p + p}): {exc}") from None
             mv[size - TRAILER_BYTES :] = trailer
 

@@ -673,3 +673,19 @@ def test_lengths_answers_many_sequences_at_once_without_touching_lru() -> None:
         s.lengths("nope", ["a"])
     with pytest.raises(InvalidArgument):
         s.lengths(NS, [-1])
+
+
+@pytest.mark.parametrize(("existing", "t", "bad_at"), [(40, 10, 7), (40, 30, 7), (40, 30, 28), (0, 150, 140),
+                                                       (64, 200, 130)])
+def test_a_non_finite_value_is_named_by_the_callers_index(existing: int, t: int, bad_at: int) -> None:
+    """The error indexes the array the caller passed (and says where that is in the sequence), whichever path
+    finds it: a decode step into the hot tail, a page sealed from the tail, a sealed page, the new tail."""
+    s = store(layers=2, h=2, d=16)
+    if existing:
+        s.append(NS, "x", *kv(2, existing, 2, 16, seed=1))
+    k, v = kv(2, t, 2, 16, seed=2)
+    k[1, bad_at, 1, 3] = np.nan
+    with pytest.raises(NonFiniteError, match=rf"keys\[1, {bad_at}, 1, 3\] = nan is not finite "
+                                             rf"\(token {existing + bad_at} of the sequence\)"):
+        s.append(NS, "x", k, v)
+    assert (s.length(NS, "x") if existing else 0) == existing
