@@ -6,7 +6,8 @@ Run: ``.venv/bin/python bench/pressure.py`` (about 3 minutes) or ``--quick``.
 An embedded Ray runs a kvd of ``--shards`` shards sharing ``--memory`` (the issue's scenario: 512 MiB, 3 shards,
 0.2 s reports). Clients write what an engine writes: 7B-class sequences (32 layers, 8 KV heads, head_dim 128;
 128 KiB per token at fp16) of 256 tokens, the prompt as three 64-token appends and then 64 one-token decode
-steps, one sequence after the other.
+steps, one sequence after the other; and sequences of 1024 tokens in ``--long-memory`` (the first page of each
+sequence holds the attention sinks and stays fp16, so short sequences cannot reach q4's 3x).
 
 1. *Tokens held at the first forgetting*: the fill stops at the first eviction (``eviction = "lru"``) or refusal
    (``"none"``); the tokens the cluster holds then, over what the same fill holds under the ``fp16_only``
@@ -44,14 +45,13 @@ from kvd.store import Store  # noqa: E402
 
 LAYERS, HEADS, DIM = 32, 8, 128
 NS = "llama-7b"
-PROMPT_CHUNKS, CHUNK, DECODE = 3, 64, 64
-SEQ_TOKENS = PROMPT_CHUNKS * CHUNK + DECODE
+CHUNK, DECODE = 64, 64
 
 
-def _config(args: argparse.Namespace, ns: str, *, profile: str, eviction: str) -> Any:
+def _config(args: argparse.Namespace, ns: str, *, profile: str, eviction: str, memory: str = "") -> Any:
     return load_config(env={}, overrides={
         "cluster.namespace": ns, "cluster.port": 0, "cluster.shards": args.shards,
-        "cluster.memory_bytes": args.memory, "cluster.shard_cpus": 0,
+        "cluster.memory_bytes": memory or args.memory, "cluster.shard_cpus": 0,
         "cluster.report_interval_s": args.report_interval, "store.eviction": eviction,
         "policy.profile": profile, "store.warm_cache_bytes": "16MiB",
     })
@@ -60,8 +60,9 @@ def _config(args: argparse.Namespace, ns: str, *, profile: str, eviction: str) -
 class Writer:
     """Appends sequences as an engine does; remembers what it stored."""
 
-    def __init__(self, client: Client, seed: int = 0) -> None:
+    def __init__(self, client: Client, seq_tokens: int = 256, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
+        self.prompt_chunks = (seq_tokens - DECODE) // CHUNK
         self.client = client
         self.chunk = rng.standard_normal((LAYERS, CHUNK, HEADS, DIM), dtype=np.float32).astype(np.float16)
         self.step = self.chunk[:, :1].copy()
@@ -71,7 +72,7 @@ class Writer:
     def sequence(self) -> None:
         seq = f"s-{self.n}"
         self.n += 1
-        for _ in range(PROMPT_CHUNKS):
+        for _ in range(self.prompt_chunks):
             self.client.append(NS, seq, self.chunk, self.chunk)
         for _ in range(DECODE):
             self.client.append(NS, seq, self.step, self.step)
@@ -82,14 +83,15 @@ def _stats(client: Client) -> list[dict[str, Any]]:
     return [s for s in client.shard_stats() if isinstance(s, dict)]
 
 
-def first_forgetting(args: argparse.Namespace, *, profile: str, eviction: str, pace_s: float) -> dict[str, Any]:
-    ns = f"bench-pressure-{profile}-{eviction}-{int(pace_s * 1000)}"
-    config = _config(args, ns, profile=profile, eviction=eviction)
+def first_forgetting(args: argparse.Namespace, *, profile: str, eviction: str, pace_s: float, seq_tokens: int,
+                     memory: str) -> dict[str, Any]:
+    ns = f"bench-pressure-{profile}-{eviction}-{int(pace_s * 1000)}-{seq_tokens}"
+    config = _config(args, ns, profile=profile, eviction=eviction, memory=memory)
     deployment = deploy(config)
     try:
         with Client(deployment.endpoint, timeout_s=30.0) as client:
             client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
-            writer = Writer(client)
+            writer = Writer(client, seq_tokens)
             refused = False
             while True:
                 before = {s["shard_id"]: s["tokens"] for s in _stats(client)}
@@ -193,7 +195,8 @@ def quality() -> list[tuple[str, float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--memory", default="512MiB")
+    parser.add_argument("--memory", default="512MiB", help="total memory for the 256-token sequences")
+    parser.add_argument("--long-memory", default="2GiB", help="total memory for the 1024-token sequences")
     parser.add_argument("--shards", type=int, default=3)
     parser.add_argument("--report-interval", type=float, default=0.2)
     parser.add_argument("--seconds", type=float, default=60.0, help="steady fill after the first eviction")
@@ -207,19 +210,21 @@ def main() -> None:
     ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
              logging_level=logging.WARNING, log_to_driver=False)
     try:
-        print(f"\n## Tokens held at the first eviction or refusal: {args.shards} shards sharing {args.memory}, "
-              f"reports every {args.report_interval} s, 7B-class sequences of {SEQ_TOKENS} tokens\n")
-        print("| eviction | fill | fp16 alone: tokens | default policy: tokens | x fp16 | the shard that forgot: "
-              "x fp16 | cluster level | shard levels (* ahead) | pages by level |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for eviction in ("lru", "none"):
-            for fill, pace in (("steady", args.report_interval), ("fast", 0.0)):
-                base = first_forgetting(args, profile="fp16_only", eviction=eviction, pace_s=pace)
-                got = first_forgetting(args, profile="default", eviction=eviction, pace_s=pace)
-                print(f"| {eviction} | {fill} | {base['tokens']} | {got['tokens']} | "
-                      f"{got['tokens'] / base['tokens']:.2f} | {got['full_tokens'] / base['full_tokens']:.2f} | "
-                      f"{got['cluster_level']} | {got['levels']} | "
-                      f"{got['bytes_by_level']} |", flush=True)
+        print(f"\n## Tokens held at the first eviction or refusal: {args.shards} shards, reports every "
+              f"{args.report_interval} s, 7B-class sequences (64-token prompt appends, then 64 decode steps)\n")
+        print("| sequence tokens | memory | eviction | fill | fp16 alone: tokens | default policy: tokens | "
+              "x fp16 | the shard that forgot: x fp16 | cluster level | shard levels (* ahead) | pages by level |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        cases = [(256, args.memory, e, f, pace) for e in ("lru", "none")
+                 for f, pace in (("steady", args.report_interval), ("fast", 0.0))]
+        cases += [(1024, args.long_memory, e, "fast", 0.0) for e in ("lru", "none")]
+        for tokens, memory, eviction, fill, pace in cases:
+            kw = dict(eviction=eviction, pace_s=pace, seq_tokens=tokens, memory=memory)
+            base = first_forgetting(args, profile="fp16_only", **kw)
+            got = first_forgetting(args, profile="default", **kw)
+            print(f"| {tokens} | {memory} | {eviction} | {fill} | {base['tokens']} | {got['tokens']} | "
+                  f"{got['tokens'] / base['tokens']:.2f} | {got['full_tokens'] / base['full_tokens']:.2f} | "
+                  f"{got['cluster_level']} | {got['levels']} | {got['bytes_by_level']} |", flush=True)
 
         print(f"\n## Levels at a steady fill (LRU, {args.seconds:.0f} s after the first eviction)\n")
         st = steady(args)
