@@ -107,6 +107,19 @@ def _default_endpoint(config: Config) -> str:
     return f"tcp://127.0.0.1:{config.cluster.port}"
 
 
+def _endpoint_arg(args: argparse.Namespace, config: Config) -> str:
+    """``--address`` (a client endpoint for status and bench) checked at once, or the local kvd's endpoint."""
+    if args.address is None:
+        return _default_endpoint(config)
+    from kvd.client.core import check_endpoint
+    from kvd.errors import InvalidArgument
+
+    try:
+        return check_endpoint("--address", args.address)
+    except InvalidArgument as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _curve_client(config: Config) -> Any:
     if config.curve.server_public_key is None:
         return None
@@ -245,7 +258,7 @@ def _watch(deployment: Any, metrics: StatusMetrics | None, *, live: bool, quiet:
 
 def cmd_status(args: argparse.Namespace) -> int:
     config = _load(args)
-    endpoint = args.address or _default_endpoint(config)
+    endpoint = _endpoint_arg(args, config)
     from kvd.client.sync import Client
 
     with Client(endpoint, timeout_s=args.timeout, curve=_curve_client(config)) as client:
@@ -356,7 +369,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvd.cli.loadgen import LAYOUTS, print_report, run_load
 
     config = _load(args)
-    endpoint = args.address or _default_endpoint(config)
+    endpoint = _endpoint_arg(args, config)
     layout = LAYOUTS[args.layout]
     result = run_load(endpoint, clients=args.clients, seconds=args.seconds, layout=layout,
                       prefill_tokens=args.prefill_tokens, decode_steps=args.decode_steps,
