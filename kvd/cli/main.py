@@ -24,12 +24,15 @@ from kvd.cli.status import StatusMetrics, fmt_bytes, shard_table, status_line
 from kvd.config.settings import (
     DEFAULT_PORT,
     Config,
+    claim_run_file,
     default_memory_bytes,
     describe,
     format_size,
     load_config,
+    physical_memory_bytes,
     read_run_file,
     remove_run_file,
+    run_file_path,
     write_run_file,
 )
 from kvd.errors import ConfigError, KvdError
@@ -171,6 +174,73 @@ def _ray_connect(address: str, namespace: str) -> None:
         ) from None
 
 
+def _claim_namespace(namespace: str, detach: bool) -> None:
+    """Take the run note of ``namespace`` before anything starts, or refuse: one `kvd up` per namespace on a
+    machine (a second one would overwrite the first one's note, remove it on exit, and `kvd down` would then
+    not find the first)."""
+    mine = {"pid": os.getpid(), "endpoint": None, "detached": detach, "ray_address": None,
+            "namespace": namespace, "starting": True}
+    for _ in range(2):
+        note = claim_run_file(namespace, mine)
+        if note is None:
+            return
+        if _live_note(namespace) is not None:  # removes the note of a `kvd up` that no longer runs
+            where = note.get("endpoint") or "starting"
+            how = (f"pid {note.get('pid')}" if not note.get("detached")
+                   else f"detached on Ray cluster {note.get('ray_address')}")
+            raise ConfigError(
+                f"a kvd is already running in namespace {namespace!r} ({how}, endpoint {where}): stop it with "
+                f"`kvd down --namespace {namespace}` or pick another --namespace"
+            )
+    raise ConfigError(f"cannot take the run note {run_file_path(namespace)}: another `kvd up` is starting")
+
+
+def _preflight(config: Config) -> None:
+    """What can be checked before Ray starts (Ray itself takes seconds to start and minutes to give up): the
+    memory asked for against this machine's, and whether the client and metrics ports are free."""
+    import socket
+
+    cluster = config.cluster
+    if not cluster.address:
+        total = physical_memory_bytes()
+        if total is not None and cluster.memory_bytes > total:
+            raise ConfigError(
+                f"--memory {format_size(cluster.memory_bytes)} is more than this machine has "
+                f"({format_size(total)}): ask for less (the default is 25% of it, at most 8 GiB)"
+            )
+    checks = []
+    if not cluster.address and cluster.port:
+        checks.append(("client port (--port)", "127.0.0.1" if cluster.host == "auto" else cluster.host,
+                       cluster.port))
+    if cluster.metrics_port:
+        checks.append(("metrics port (--metrics-port)", "127.0.0.1", cluster.metrics_port))
+    for what, host, port in checks:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is free
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise ConfigError(f"the {what} {port} on {host} is not free: {exc.strerror} (another kvd? "
+                                  "pick another port, or 0 for any)") from None
+
+
+def _check_ray_memory(config: Config) -> None:
+    """An embedded Ray's memory resource against what the shards will ask for: fail now, not after a timeout."""
+    import ray
+
+    from kvd.cluster.deploy import shard_memory_request
+
+    have = ray.cluster_resources().get("memory", 0)
+    need = shard_memory_request(config) * config.cluster.shards
+    if have and need > have:
+        raise ConfigError(
+            f"{config.cluster.shards} shards of {format_size(config.shard_capacity_bytes)} need "
+            f"{format_size(need)} of Ray memory with their processes, but this machine's Ray offers "
+            f"{format_size(have)}: ask for less --memory"
+        )
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     config = _load(args)
     cluster = config.cluster
@@ -184,11 +254,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     deployment = None
     metrics = None
+    claimed = False
     try:
+        _claim_namespace(cluster.namespace, bool(args.detach))
+        claimed = True
+        _preflight(config)
         host = _ray_init(config)
         # Ray's core installs a failure-signal handler that dumps a stack on SIGTERM: take the signals back.
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
+        if not cluster.address:
+            _check_ray_memory(config)
         where = f"Ray cluster {cluster.address}" if cluster.address else "an embedded Ray"
         _say(f"kvd {__version__}: starting {cluster.shards} shards x {fmt_bytes(config.shard_capacity_bytes)} "
              f"on {where} (namespace {cluster.namespace!r}) ...")
@@ -216,12 +292,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         if ray.is_initialized():
-            if not args.detach:
-                if deployment is not None:
-                    stopped = teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
-                    _say(f"kvd: stopped {stopped} actors")
-                remove_run_file(cluster.namespace, pid=os.getpid())
+            if not args.detach and deployment is not None:
+                stopped = teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
+                _say(f"kvd: stopped {stopped} actors")
             ray.shutdown()
+        if claimed and not (args.detach and deployment is not None):
+            remove_run_file(cluster.namespace, pid=os.getpid())
 
 
 def _say(text: str) -> None:

@@ -77,6 +77,7 @@ __all__ = [
     "describe",
     "run_file_path",
     "write_run_file",
+    "claim_run_file",
     "read_run_file",
     "remove_run_file",
 ]
@@ -516,6 +517,25 @@ def write_run_file(namespace: str, info: Mapping[str, Any]) -> Path:
         json.dump(dict(info), fh)
     os.replace(tmp, path)
     return path
+
+
+def claim_run_file(namespace: str, info: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Create the run note of ``namespace`` only if there is none: None when it is now ours, else the note that
+    is already there (read as :func:`read_run_file` does; ``{}`` if unreadable). Atomic: of two ``kvd up`` of one
+    namespace, exactly one gets the note (the complete file is linked into place, which fails if it exists)."""
+    path = run_file_path(namespace)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(dict(info), fh)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return read_run_file(namespace) or {}
+    finally:
+        os.unlink(tmp)
+    return None
 
 
 def read_run_file(namespace: str) -> dict[str, Any] | None:
