@@ -147,9 +147,106 @@ def _ray_init(config: Config) -> str:
         _ray_connect(cluster.address, cluster.namespace)
         return "node" if cluster.host == "auto" else cluster.host
     cpus = cluster.num_cpus or max(os.cpu_count() or 1, int(-(-cluster.shards * cluster.shard_cpus // 1)), 1)
-    ray.init(address="local", num_cpus=cpus, namespace=cluster.namespace, include_dashboard=False,
-             object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES, logging_level=logging.WARNING, log_to_driver=False)
+    # An embedded Ray serves this machine only, so nothing of it may listen beyond loopback (_loopback_ray). A
+    # --host other than auto (kvd's own sockets elsewhere) leaves Ray's choice alone.
+    node_ip = {}
+    if cluster.host in ("auto", "127.0.0.1"):
+        _loopback_ray()
+        node_ip = {"_node_ip_address": "127.0.0.1"}
+    _become_subreaper()
+    # SIGTERM to the whole process group (`timeout`, systemd) also reaches Ray's processes, which then stop
+    # answering while `kvd up` still needs them to tear down: its Ray calls waited 60 s for the GCS. Ray blocks
+    # SIGINT in the processes it starts for the same reason (Ctrl-C goes to the group); block SIGTERM as well
+    # while they are started (a blocked signal is inherited), so only `kvd up` handles it and stops them itself.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        ray.init(address="local", num_cpus=cpus, namespace=cluster.namespace, include_dashboard=False,
+                 object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES, logging_level=logging.WARNING,
+                 log_to_driver=False, **node_ip)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    _no_graceful_ray_kill()
     return "127.0.0.1" if cluster.host == "auto" else cluster.host
+
+
+def _loopback_ray() -> None:
+    """Make the Ray that ray.init starts bind 127.0.0.1 only. Ray's servers (the GCS, the raylet, the object
+    manager, the agents, every worker's gRPC port) listen on all interfaces unless the node IP is 127.0.0.1, and
+    ray.init replaces a 127.0.0.1 given as ``_node_ip_address`` by the machine's outward IP. The one switch
+    Ray has for "this Ray is no cluster, use loopback" is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (its default
+    on macOS and Windows): set for this process and for every process Ray starts from it."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:  # ray is imported already: its constant was read from the environment at import
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):  # pragma: no cover - another Ray layout: the variable still applies
+        pass
+
+
+def _become_subreaper() -> None:
+    """Adopt the orphans of this process's descendants (Linux ``PR_SET_CHILD_SUBREAPER``). When the raylet is
+    killed its agents are orphaned, and a Ray agent whose GCS is gone never exits by itself: adopted, they are
+    found and killed by :func:`_kill_leftovers` instead of outliving `kvd up`."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def _kill_leftovers(timeout_s: float = 5.0) -> int:
+    """SIGKILL and reap every child this process still has after ray.shutdown() (adopted Ray agents, workers
+    that outlived their raylet); returns how many there were. `kvd up` starts no other child processes."""
+    me = os.getpid()
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == me:
+            children.append(int(entry))
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    waiting = set(children)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                waiting.discard(pid)
+        if waiting:
+            time.sleep(0.02)
+    return len(children)
+
+
+def _no_graceful_ray_kill() -> None:
+    """Make ``ray.shutdown()`` kill the embedded Ray's processes at once. It sends each one SIGTERM and waits up
+    to a second before SIGKILL, and they block SIGTERM (:func:`_ray_init`): 5 s of waiting for nothing. Only
+    touches Ray's node object if it looks as expected."""
+    import ray
+
+    node = getattr(getattr(ray, "_private", None) and ray._private.worker, "_global_node", None)
+    kill = getattr(node, "kill_all_processes", None)
+    if node is None or not callable(kill):
+        return
+
+    def kill_now(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_graceful"] = False
+        return kill(*args, **kwargs)
+
+    node.kill_all_processes = kill_now
 
 
 def _ray_connect(address: str, namespace: str) -> None:
@@ -296,6 +393,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 stopped = teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
                 _say(f"kvd: stopped {stopped} actors")
             ray.shutdown()
+            if not cluster.address:
+                _kill_leftovers()
         if claimed and not (args.detach and deployment is not None):
             remove_run_file(cluster.namespace, pid=os.getpid())
 
