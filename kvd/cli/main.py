@@ -435,10 +435,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     config = _load(args)
     endpoint = _endpoint_arg(args, config)
     from kvd.client.sync import Client
+    from kvd.errors import ShardUnavailable, Timeout
 
-    with Client(endpoint, timeout_s=args.timeout, curve=_curve_client(config)) as client:
-        topology = client.topology() if hasattr(client, "topology") else None
-        stats = client.shard_stats()
+    try:
+        with Client(endpoint, timeout_s=args.timeout, curve=_curve_client(config)) as client:
+            topology = client.topology() if hasattr(client, "topology") else None
+            stats = client.shard_stats()
+    except (Timeout, ShardUnavailable) as exc:
+        if args.address is None and _live_note(config.cluster.namespace) is None:
+            ns = config.cluster.namespace
+            _say(f"kvd status: no kvd is running in namespace {ns!r} on this machine (no `kvd up` of it, and "
+                 f"nothing answers at {endpoint}); for a kvd elsewhere give --address ENDPOINT")
+            return _EXIT_ERROR
+        raise exc from None
     rows = []
     for i, s in enumerate(stats):
         sid = (s or {}).get("shard_id") or (topology["shards"][i]["id"] if topology else f"shard-{i}")
@@ -548,7 +557,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     layout = LAYOUTS[args.layout]
     result = run_load(endpoint, clients=args.clients, seconds=args.seconds, layout=layout,
                       prefill_tokens=args.prefill_tokens, decode_steps=args.decode_steps,
-                      curve=_curve_client(config), progress=not args.quiet)
+                      curve=_curve_client(config),
+                      # a progress bar redraws itself with \r: only on a terminal (a log or a pipe gets the table)
+                      progress=not args.quiet and sys.stderr.isatty())
     print_report(result)
     return _EXIT_OK if result["errors"] == 0 else _EXIT_ERROR
 
@@ -653,7 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verb == "keygen" and not args.name:
         args.name = ["server", "client"]
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit: a reader that went away is a BrokenPipeError caught below
+        return code
     except ConfigError as exc:
         print(f"kvd {args.verb}: configuration error: {exc}", file=sys.stderr)
         return _EXIT_USAGE
@@ -662,6 +675,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`kvd status | head -1`): what it did not read is not an error worth a traceback;
+        # point stdout at /dev/null so that the interpreter's final flush does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover
