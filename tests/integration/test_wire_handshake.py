@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from kvd.client import Client
+from kvd.errors import InvalidArgument
 from kvd.wire import protocol as p
 
 # a sibling test module (pytest puts this directory on sys.path): the server-process helpers
@@ -103,3 +104,11 @@ def test_a_real_server_echoes_the_id_of_a_refused_header(server: ServerProcess, 
     finally:
         ctx.term()
     assert isinstance(reply, p.ErrorReply) and reply.request_id == 31, reply
+
+
+def test_a_client_get_with_a_negative_start_says_so(server: ServerProcess) -> None:
+    with Client(server.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        with pytest.raises(InvalidArgument) as info:
+            c.get(NS, "nothing-yet", start=-1)
+    assert str(info.value) == "start must be >= 0, got -1"

@@ -9,7 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from kvd.errors import MessageTooLarge, ProtocolError
+from kvd.errors import InvalidArgument, MessageTooLarge, ProtocolError
 from kvd.wire import protocol as p
 
 
@@ -78,3 +78,12 @@ def test_an_unknown_op_is_protocol_error_10_with_the_id(op: Any) -> None:
     assert isinstance(reply, p.ErrorReply)
     assert (reply.code, reply.error, reply.request_id) == (10, "ProtocolError", 9)
     assert "op must be one of" in reply.message
+
+
+@pytest.mark.parametrize("field", ["start", "end"])
+def test_a_negative_position_is_reported_as_such_not_as_a_range_up_to_2_63(field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        p.GetRequest(request_id=1, namespace="m", seq_id="s", **{field: -1})
+    assert str(info.value) == f"{field} must be >= 0, got -1"
+    with pytest.raises(InvalidArgument, match=rf"{field} must be below 2\*\*63, got {2**63}"):
+        p.GetRequest(request_id=1, namespace="m", seq_id="s", **{field: 2**63})
