@@ -66,7 +66,8 @@ def test_ray_itself_starts_workers_at_a_low_priority() -> None:
         nices = thread_nices(ray.get(plain.pid.remote(), timeout=60))
     finally:
         ray.kill(plain)
-    assert nices[min(nices, key=lambda k: int(k.split()[0]))] == 15, nices  # the main thread
+    own = os.getpriority(os.PRIO_PROCESS, 0)  # Ray adds its 15 to the nice value it started with
+    assert nices[min(nices, key=lambda k: int(k.split()[0]))] == min(own + 15, 19), nices  # the main thread
 
 
 def test_every_thread_of_a_shard_and_the_coordinator_runs_at_nice_0(deployed: Deployment) -> None:
