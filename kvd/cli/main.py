@@ -24,12 +24,15 @@ from kvd.cli.status import StatusMetrics, fmt_bytes, shard_table, status_line
 from kvd.config.settings import (
     DEFAULT_PORT,
     Config,
+    claim_run_file,
     default_memory_bytes,
     describe,
     format_size,
     load_config,
+    physical_memory_bytes,
     read_run_file,
     remove_run_file,
+    run_file_path,
     write_run_file,
 )
 from kvd.errors import ConfigError, KvdError
@@ -107,6 +110,19 @@ def _default_endpoint(config: Config) -> str:
     return f"tcp://127.0.0.1:{config.cluster.port}"
 
 
+def _endpoint_arg(args: argparse.Namespace, config: Config) -> str:
+    """``--address`` (a client endpoint for status and bench) checked at once, or the local kvd's endpoint."""
+    if args.address is None:
+        return _default_endpoint(config)
+    from kvd.client.core import check_endpoint
+    from kvd.errors import InvalidArgument
+
+    try:
+        return check_endpoint("--address", args.address)
+    except InvalidArgument as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _curve_client(config: Config) -> Any:
     if config.curve.server_public_key is None:
         return None
@@ -131,9 +147,106 @@ def _ray_init(config: Config) -> str:
         _ray_connect(cluster.address, cluster.namespace)
         return "node" if cluster.host == "auto" else cluster.host
     cpus = cluster.num_cpus or max(os.cpu_count() or 1, int(-(-cluster.shards * cluster.shard_cpus // 1)), 1)
-    ray.init(address="local", num_cpus=cpus, namespace=cluster.namespace, include_dashboard=False,
-             object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES, logging_level=logging.WARNING, log_to_driver=False)
+    # An embedded Ray serves this machine only, so nothing of it may listen beyond loopback (_loopback_ray). A
+    # --host other than auto (kvd's own sockets elsewhere) leaves Ray's choice alone.
+    node_ip = {}
+    if cluster.host in ("auto", "127.0.0.1"):
+        _loopback_ray()
+        node_ip = {"_node_ip_address": "127.0.0.1"}
+    _become_subreaper()
+    # SIGTERM to the whole process group (`timeout`, systemd) also reaches Ray's processes, which then stop
+    # answering while `kvd up` still needs them to tear down: its Ray calls waited 60 s for the GCS. Ray blocks
+    # SIGINT in the processes it starts for the same reason (Ctrl-C goes to the group); block SIGTERM as well
+    # while they are started (a blocked signal is inherited), so only `kvd up` handles it and stops them itself.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        ray.init(address="local", num_cpus=cpus, namespace=cluster.namespace, include_dashboard=False,
+                 object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES, logging_level=logging.WARNING,
+                 log_to_driver=False, **node_ip)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    _no_graceful_ray_kill()
     return "127.0.0.1" if cluster.host == "auto" else cluster.host
+
+
+def _loopback_ray() -> None:
+    """Make the Ray that ray.init starts bind 127.0.0.1 only. Ray's servers (the GCS, the raylet, the object
+    manager, the agents, every worker's gRPC port) listen on all interfaces unless the node IP is 127.0.0.1, and
+    ray.init replaces a 127.0.0.1 given as ``_node_ip_address`` by the machine's outward IP. The one switch
+    Ray has for "this Ray is no cluster, use loopback" is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (its default
+    on macOS and Windows): set for this process and for every process Ray starts from it."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:  # ray is imported already: its constant was read from the environment at import
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):  # pragma: no cover - another Ray layout: the variable still applies
+        pass
+
+
+def _become_subreaper() -> None:
+    """Adopt the orphans of this process's descendants (Linux ``PR_SET_CHILD_SUBREAPER``). When the raylet is
+    killed its agents are orphaned, and a Ray agent whose GCS is gone never exits by itself: adopted, they are
+    found and killed by :func:`_kill_leftovers` instead of outliving `kvd up`."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def _kill_leftovers(timeout_s: float = 5.0) -> int:
+    """SIGKILL and reap every child this process still has after ray.shutdown() (adopted Ray agents, workers
+    that outlived their raylet); returns how many there were. `kvd up` starts no other child processes."""
+    me = os.getpid()
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == me:
+            children.append(int(entry))
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    waiting = set(children)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                waiting.discard(pid)
+        if waiting:
+            time.sleep(0.02)
+    return len(children)
+
+
+def _no_graceful_ray_kill() -> None:
+    """Make ``ray.shutdown()`` kill the embedded Ray's processes at once. It sends each one SIGTERM and waits up
+    to a second before SIGKILL, and they block SIGTERM (:func:`_ray_init`): 5 s of waiting for nothing. Only
+    touches Ray's node object if it looks as expected."""
+    import ray
+
+    node = getattr(getattr(ray, "_private", None) and ray._private.worker, "_global_node", None)
+    kill = getattr(node, "kill_all_processes", None)
+    if node is None or not callable(kill):
+        return
+
+    def kill_now(*args: Any, **kwargs: Any) -> Any:
+        kwargs["allow_graceful"] = False
+        return kill(*args, **kwargs)
+
+    node.kill_all_processes = kill_now
 
 
 def _ray_connect(address: str, namespace: str) -> None:
@@ -158,6 +271,73 @@ def _ray_connect(address: str, namespace: str) -> None:
         ) from None
 
 
+def _claim_namespace(namespace: str, detach: bool) -> None:
+    """Take the run note of ``namespace`` before anything starts, or refuse: one `kvd up` per namespace on a
+    machine (a second one would overwrite the first one's note, remove it on exit, and `kvd down` would then
+    not find the first)."""
+    mine = {"pid": os.getpid(), "endpoint": None, "detached": detach, "ray_address": None,
+            "namespace": namespace, "starting": True}
+    for _ in range(2):
+        note = claim_run_file(namespace, mine)
+        if note is None:
+            return
+        if _live_note(namespace) is not None:  # removes the note of a `kvd up` that no longer runs
+            where = note.get("endpoint") or "starting"
+            how = (f"pid {note.get('pid')}" if not note.get("detached")
+                   else f"detached on Ray cluster {note.get('ray_address')}")
+            raise ConfigError(
+                f"a kvd is already running in namespace {namespace!r} ({how}, endpoint {where}): stop it with "
+                f"`kvd down --namespace {namespace}` or pick another --namespace"
+            )
+    raise ConfigError(f"cannot take the run note {run_file_path(namespace)}: another `kvd up` is starting")
+
+
+def _preflight(config: Config) -> None:
+    """What can be checked before Ray starts (Ray itself takes seconds to start and minutes to give up): the
+    memory asked for against this machine's, and whether the client and metrics ports are free."""
+    import socket
+
+    cluster = config.cluster
+    if not cluster.address:
+        total = physical_memory_bytes()
+        if total is not None and cluster.memory_bytes > total:
+            raise ConfigError(
+                f"--memory {format_size(cluster.memory_bytes)} is more than this machine has "
+                f"({format_size(total)}): ask for less (the default is 25% of it, at most 8 GiB)"
+            )
+    checks = []
+    if not cluster.address and cluster.port:
+        checks.append(("client port (--port)", "127.0.0.1" if cluster.host == "auto" else cluster.host,
+                       cluster.port))
+    if cluster.metrics_port:
+        checks.append(("metrics port (--metrics-port)", "127.0.0.1", cluster.metrics_port))
+    for what, host, port in checks:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds: TIME_WAIT is free
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise ConfigError(f"the {what} {port} on {host} is not free: {exc.strerror} (another kvd? "
+                                  "pick another port, or 0 for any)") from None
+
+
+def _check_ray_memory(config: Config) -> None:
+    """An embedded Ray's memory resource against what the shards will ask for: fail now, not after a timeout."""
+    import ray
+
+    from kvd.cluster.deploy import shard_memory_request
+
+    have = ray.cluster_resources().get("memory", 0)
+    need = shard_memory_request(config) * config.cluster.shards
+    if have and need > have:
+        raise ConfigError(
+            f"{config.cluster.shards} shards of {format_size(config.shard_capacity_bytes)} need "
+            f"{format_size(need)} of Ray memory with their processes, but this machine's Ray offers "
+            f"{format_size(have)}: ask for less --memory"
+        )
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     config = _load(args)
     cluster = config.cluster
@@ -171,11 +351,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     deployment = None
     metrics = None
+    claimed = False
     try:
+        _claim_namespace(cluster.namespace, bool(args.detach))
+        claimed = True
+        _preflight(config)
         host = _ray_init(config)
         # Ray's core installs a failure-signal handler that dumps a stack on SIGTERM: take the signals back.
         signal.signal(signal.SIGTERM, _raise_stop)
         signal.signal(signal.SIGINT, _raise_stop)
+        if not cluster.address:
+            _check_ray_memory(config)
         where = f"Ray cluster {cluster.address}" if cluster.address else "an embedded Ray"
         _say(f"kvd {__version__}: starting {cluster.shards} shards x {fmt_bytes(config.shard_capacity_bytes)} "
              f"on {where} (namespace {cluster.namespace!r}) ...")
@@ -203,12 +389,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         if ray.is_initialized():
-            if not args.detach:
-                if deployment is not None:
-                    stopped = teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
-                    _say(f"kvd: stopped {stopped} actors")
-                remove_run_file(cluster.namespace, pid=os.getpid())
+            if not args.detach and deployment is not None:
+                stopped = teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
+                _say(f"kvd: stopped {stopped} actors")
             ray.shutdown()
+            if not cluster.address:
+                _kill_leftovers()
+        if claimed and not (args.detach and deployment is not None):
+            remove_run_file(cluster.namespace, pid=os.getpid())
 
 
 def _say(text: str) -> None:
@@ -245,12 +433,21 @@ def _watch(deployment: Any, metrics: StatusMetrics | None, *, live: bool, quiet:
 
 def cmd_status(args: argparse.Namespace) -> int:
     config = _load(args)
-    endpoint = args.address or _default_endpoint(config)
+    endpoint = _endpoint_arg(args, config)
     from kvd.client.sync import Client
+    from kvd.errors import ShardUnavailable, Timeout
 
-    with Client(endpoint, timeout_s=args.timeout, curve=_curve_client(config)) as client:
-        topology = client.topology() if hasattr(client, "topology") else None
-        stats = client.shard_stats()
+    try:
+        with Client(endpoint, timeout_s=args.timeout, curve=_curve_client(config)) as client:
+            topology = client.topology() if hasattr(client, "topology") else None
+            stats = client.shard_stats()
+    except (Timeout, ShardUnavailable) as exc:
+        if args.address is None and _live_note(config.cluster.namespace) is None:
+            ns = config.cluster.namespace
+            _say(f"kvd status: no kvd is running in namespace {ns!r} on this machine (no `kvd up` of it, and "
+                 f"nothing answers at {endpoint}); for a kvd elsewhere give --address ENDPOINT")
+            return _EXIT_ERROR
+        raise exc from None
     rows = []
     for i, s in enumerate(stats):
         sid = (s or {}).get("shard_id") or (topology["shards"][i]["id"] if topology else f"shard-{i}")
@@ -356,11 +553,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvd.cli.loadgen import LAYOUTS, print_report, run_load
 
     config = _load(args)
-    endpoint = args.address or _default_endpoint(config)
+    endpoint = _endpoint_arg(args, config)
     layout = LAYOUTS[args.layout]
     result = run_load(endpoint, clients=args.clients, seconds=args.seconds, layout=layout,
                       prefill_tokens=args.prefill_tokens, decode_steps=args.decode_steps,
-                      curve=_curve_client(config), progress=not args.quiet)
+                      curve=_curve_client(config),
+                      # a progress bar redraws itself with \r: only on a terminal (a log or a pipe gets the table)
+                      progress=not args.quiet and sys.stderr.isatty())
     print_report(result)
     return _EXIT_OK if result["errors"] == 0 else _EXIT_ERROR
 
@@ -465,7 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verb == "keygen" and not args.name:
         args.name = ["server", "client"]
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit: a reader that went away is a BrokenPipeError caught below
+        return code
     except ConfigError as exc:
         print(f"kvd {args.verb}: configuration error: {exc}", file=sys.stderr)
         return _EXIT_USAGE
@@ -474,6 +675,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`kvd status | head -1`): what it did not read is not an error worth a traceback;
+        # point stdout at /dev/null so that the interpreter's final flush does not fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return _EXIT_ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "aggregate_stats"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "aggregate_stats", "check_endpoint"]
 
 DEFAULT_TIMEOUT_S = 10.0
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
@@ -47,6 +48,24 @@ _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_
 _MONITOR_IDS = itertools.count()
 _NOT_ADDITIVE = frozenset({"epoch", "page_tokens", "sink_tokens", "window_tokens", "server_uptime_s",
                            "server_queue_peak"})
+
+
+# tcp://host:port (host: a name, an IPv4 address or a [bracketed] IPv6 one), ipc://path, inproc://name
+_TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.%]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
+
+
+def check_endpoint(name: str, value: Any) -> str:
+    """``value`` if it is an endpoint a DEALER can connect to (``tcp://host:port``, ``ipc://...``,
+    ``inproc://...``), else :class:`~kvd.errors.InvalidArgument` at once: ZeroMQ would otherwise refuse the
+    ``connect`` only after the socket exists, and a socket left open makes ``Context.term()`` wait forever."""
+    text = p.check_short_text(name, value, InvalidArgument)
+    m = _TCP_ENDPOINT.fullmatch(text)
+    if m is not None and 1 <= int(m.group(1)) <= 65535:
+        return text
+    if text.startswith(("ipc://", "inproc://")) and "://" in text and text.split("://", 1)[1]:
+        return text
+    raise InvalidArgument(f"{name} must be an endpoint like tcp://127.0.0.1:7070 (tcp://HOST:PORT, port "
+                          f"1-65535), got {text!r}")
 
 
 def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -141,8 +160,13 @@ def _open_socket(ctx: Any, endpoint: str, curve: CurveConfig | None, limits: p.L
     address = f"inproc://kvd-client-monitor-{next(_MONITOR_IDS)}"
     sock.monitor(address, _MONITOR_EVENTS)
     monitor: zmq.Socket[Any] = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
-    monitor.connect(address)
-    sock.connect(endpoint)
+    try:
+        monitor.connect(address)
+        sock.connect(endpoint)
+    except BaseException:
+        monitor.close(0)  # an open socket would make Context.term() wait forever
+        sock.close(0)
+        raise
     return _Conn(endpoint, sock, monitor)
 
 
@@ -251,10 +275,9 @@ class _Core:
         if curve is not None and not isinstance(curve, CurveConfig):
             raise InvalidArgument(f"curve must be a CurveConfig, got {type(curve).__name__}")
         if isinstance(address, str):
-            self._seeds: tuple[str, ...] = (p.check_short_text("address", address, InvalidArgument),)
+            self._seeds: tuple[str, ...] = (check_endpoint("address", address),)
         else:
-            self._seeds = tuple(p.check_short_text(f"address[{i}]", a, InvalidArgument)
-                                for i, a in enumerate(address))
+            self._seeds = tuple(check_endpoint(f"address[{i}]", a) for i, a in enumerate(address))
             if not self._seeds or len(set(self._seeds)) != len(self._seeds):
                 raise InvalidArgument(f"address must be an endpoint or a non-empty list of distinct shard "
                                       f"endpoints, got {address!r}")

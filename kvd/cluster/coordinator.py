@@ -101,6 +101,8 @@ class Coordinator:
     """
 
     def __init__(self, config: Config, *, host: str, kv: Any = None, clock: Callable[[], float] = time.monotonic):
+        from kvd.cluster.priority import normal_priority  # Ray runs workers at nice 15; a server must not
+        normal_priority()
         self._config = config
         self._cluster = config.cluster
         self._clock = clock

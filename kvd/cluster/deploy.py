@@ -15,13 +15,18 @@ from kvd.cluster.naming import coordinator_name, shard_ids, shard_name, state_ke
 from kvd.config.settings import Config
 from kvd.errors import ConfigError, Timeout
 
-__all__ = ["Deployment", "actor_class", "deploy", "find", "teardown", "wait_until"]
+__all__ = ["Deployment", "actor_class", "deploy", "find", "shard_memory_request", "teardown", "wait_until"]
 
 log = logging.getLogger("kvd.deploy")
 
 # A shard process holds its store (capacity, exact) plus Python, Ray worker and numpy: reserve both.
 _SHARD_MEMORY_OVERHEAD = 1.05
 _SHARD_PROCESS_BYTES = 256 << 20
+
+
+def shard_memory_request(config: Config) -> int:
+    """Bytes of Ray's ``memory`` resource each shard asks for (its store plus the process around it)."""
+    return int(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD) + _SHARD_PROCESS_BYTES
 
 
 def actor_class(kind: str) -> Any:

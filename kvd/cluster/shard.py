@@ -59,6 +59,8 @@ class Shard:
     """
 
     def __init__(self, shard_id: str, config: Config, *, host: str) -> None:
+        from kvd.cluster.priority import normal_priority  # Ray runs workers at nice 15; a server must not
+        normal_priority()
         from kvd.cluster.naming import curve_server_config, resolve_host
         from kvd.store.core import Store
         from kvd.wire.server import ShardServer

@@ -77,6 +77,7 @@ __all__ = [
     "describe",
     "run_file_path",
     "write_run_file",
+    "claim_run_file",
     "read_run_file",
     "remove_run_file",
 ]
@@ -520,6 +521,25 @@ def write_run_file(namespace: str, info: Mapping[str, Any]) -> Path:
     return path
 
 
+def claim_run_file(namespace: str, info: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Create the run note of ``namespace`` only if there is none: None when it is now ours, else the note that
+    is already there (read as :func:`read_run_file` does; ``{}`` if unreadable). Atomic: of two ``kvd up`` of one
+    namespace, exactly one gets the note (the complete file is linked into place, which fails if it exists)."""
+    path = run_file_path(namespace)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(dict(info), fh)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return read_run_file(namespace) or {}
+    finally:
+        os.unlink(tmp)
+    return None
+
+
 def read_run_file(namespace: str) -> dict[str, Any] | None:
     """The run note of ``namespace``, or None if there is none (or it is unreadable)."""
     try:
@@ -542,15 +562,40 @@ def remove_run_file(namespace: str, *, pid: int | None = None) -> None:
         pass
 
 
+def _effective_defaults() -> dict[str, str]:
+    """What an unset setting (None) means, where that is a value: the store's own defaults, the policy
+    profile's numbers, the sizes derived from this machine. Settings left out have no default (CURVE keys)."""
+    from kvd.store.core import DEFAULT_PAGE_TOKENS, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW_TOKENS
+
+    policy = PolicyConfig.profile(SETTINGS["policy.profile"].default)
+    shards = SETTINGS["cluster.shards"].default
+    memory = default_memory_bytes()
+    out = {
+        "store.capacity_bytes": f"{format_size(memory // shards)}*",
+        "store.page_tokens": repr(DEFAULT_PAGE_TOKENS),
+        "store.window_tokens": repr(DEFAULT_WINDOW_TOKENS),
+        "store.sink_tokens": repr(DEFAULT_SINK_TOKENS),
+        "cluster.memory_bytes": f"{format_size(memory)}*",
+        "cluster.num_cpus": f"{max(os.cpu_count() or 1, 1)}*",
+    }
+    for key in ("q8_threshold", "q4_threshold", "hysteresis", "ewma_alpha"):
+        out[f"policy.{key}"] = repr(getattr(policy, key))
+    for key in ("min_level", "max_level"):
+        out[f"policy.{key}"] = repr(getattr(policy, key).tag)
+    return out
+
+
 def describe() -> str:
-    """Every setting with its env variable, default and meaning (for ``kvd config --help`` and docs)."""
-    lines = []
+    """Every setting with its env variable, default and meaning (for ``kvd config --help`` and docs). A default
+    marked * is this machine's (derived from its memory or CPUs); "-" means unset, with no default value."""
+    lines = ["(* = derived from this machine; - = unset)"]
+    effective = _effective_defaults()
     for section in _SECTIONS:
         lines.append(f"[{section}]")
         for s in SETTINGS.values():
             if s.section != section:
                 continue
-            default = "-" if s.default is None else repr(s.default)
+            default = repr(s.default) if s.default is not None else effective.get(s.dotted, "-")
             lines.append(f"  {s.key:<22} {default:<12} {s.env}")
             lines.append(f"      {s.doc}")
     return "\n".join(lines)

@@ -227,6 +227,36 @@ def check_limits(sizes: Sequence[int], limits: Limits) -> None:
         raise MessageTooLarge(f"message is {total} bytes, more than max_message_bytes {limits.max_message_bytes}")
 
 
+_SALVAGE_BYTES = 4096  # where a refused header's id is looked for: kvd and sane clients put it near the start
+
+
+def salvage_request_id(head: memoryview) -> int | None:
+    """The request id of a header the strict decoder refused (a duplicate key, a trailing byte, invalid UTF-8,
+    an extension type, a header over ``max_header_bytes``), so that its error reply can still name the request.
+
+    Reads the top-level map's entries in order, tolerantly (strings as bytes, extension values skipped, nothing
+    after the map looked at), within the first ``_SALVAGE_BYTES`` bytes; None unless exactly one ``id`` key was
+    seen there and its value is a valid request id. Never raises."""
+    found: list[Any] = []
+    try:
+        unpacker = msgpack.Unpacker(raw=True, strict_map_key=False, ext_hook=lambda code, data: None,
+                                    max_buffer_size=_SALVAGE_BYTES, max_ext_len=_SALVAGE_BYTES)
+        unpacker.feed(bytes(head[:_SALVAGE_BYTES]))
+        n = unpacker.read_map_header()
+        for _ in range(n):
+            key = unpacker.unpack()
+            if key in (b"id", "id"):
+                found.append(unpacker.unpack())
+            else:
+                unpacker.skip()
+    except Exception:  # noqa: BLE001 - out of data, not a map, too deep: use what was read so far
+        pass
+    if len(found) != 1:
+        return None
+    rid = found[0]
+    return rid if type(rid) is int and 0 <= rid <= MAX_REQUEST_ID else None
+
+
 class DecodeContext:
     """What a failed decode could still read: the request id, for the error reply."""
 
@@ -242,12 +272,17 @@ def open_message(frames: Any, limits: Limits, ctx: DecodeContext) -> tuple[dict[
         raise ProtocolError("a message is a non-empty list of frames (the header first)")
     head = byte_view(frames[0], "header frame")
     if head.nbytes > limits.max_header_bytes:
+        ctx.request_id = salvage_request_id(head)
         raise MessageTooLarge(
             f"header is {head.nbytes} bytes, more than max_header_bytes {limits.max_header_bytes}"
         )
-    header = unpack_header(
-        head, max_bytes=limits.max_header_bytes, max_array_len=max(limits.max_pages, _MIN_ARRAY_LEN)
-    )
+    try:
+        header = unpack_header(
+            head, max_bytes=limits.max_header_bytes, max_array_len=max(limits.max_pages, _MIN_ARRAY_LEN)
+        )
+    except ProtocolError:
+        ctx.request_id = salvage_request_id(head)
+        raise
     if type(header) is not dict:
         raise ProtocolError(f"header must be a msgpack map, got {show(header)}")
     rid = header.get("id")

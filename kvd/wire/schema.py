@@ -88,6 +88,9 @@ def int_in(low: int, high: int, *, optional: bool = False) -> Check:
             raise exc(f"{name} must be an integer{' or nil' if optional else ''}, got {show(value)}")
         value = int(value)
         if not low <= value <= high:
+            if high == MAX_POSITION:  # "[0, 9223372036854775807]" reads as noise: say which side is wrong
+                raise InvalidArgument(f"{name} must be >= {low}, got {value}" if value < low
+                                      else f"{name} must be below 2**63, got {value}")
             raise InvalidArgument(f"{name} must be in [{low}, {high}], got {value}")
         return value
 

@@ -61,6 +61,7 @@ from kvd.wire.sockets import (
     COPY_THRESHOLD_BYTES,
     DEFAULT_HEARTBEAT_IVL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
+    HANDSHAKE_TIMEOUT_S,
     recv_frames,
     send_frames,
     tune_malloc,
@@ -219,12 +220,16 @@ class _RouterServer:
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(ivl * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout * 1000))  # peers drop us when we stop heartbeating
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_TIMEOUT_S * 1000))  # garbage peers are cut
         sock.setsockopt(zmq.RCVTIMEO, int(IDLE_TICK_S * 1000))
+        # A ZAP domain makes ZeroMQ refuse ZMTP 1.0 peers, i.e. anything whose first byte is not 0xFF: without
+        # it a peer sending random bytes is taken for a 1.0 peer and held open for good (the handshake timeout
+        # ends with the greeting). With NULL security and no ZAP handler every ZMTP 3 peer is still admitted.
+        sock.zap_domain = ZAP_DOMAIN.encode()
         if self._curve is not None:
             sock.curve_secretkey = self._curve.secret_key
             sock.curve_publickey = self._curve.public_key
             sock.curve_server = True
-            sock.zap_domain = ZAP_DOMAIN.encode()
         host = self._host
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)

@@ -10,12 +10,15 @@ from typing import Any
 import zmq
 import zmq.backend
 
-__all__ = ["COPY_THRESHOLD_BYTES", "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "recv_frames",
-           "send_frames", "tune_malloc"]
+__all__ = ["COPY_THRESHOLD_BYTES", "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S",
+           "recv_frames", "send_frames", "tune_malloc"]
 
 COPY_THRESHOLD_BYTES = 64 * 1024  # frames at least this big are sent zero-copy (pyzmq's own threshold)
 DEFAULT_HEARTBEAT_IVL_S = 2.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+# A peer must finish the ZMTP handshake (greeting, and CURVE if on) within this: a connection that sends
+# garbage or nothing is closed instead of being held for ZeroMQ's default 30 s. A real client takes milliseconds.
+HANDSHAKE_TIMEOUT_S = 3.0
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
 # microseconds per call, a measurable share of a small request.
 _SNDMORE = int(zmq.SNDMORE)

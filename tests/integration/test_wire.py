@@ -309,7 +309,7 @@ def test_malformed_requests_get_error_replies_naming_the_problem(shard: ServerPr
         cases = [
             ([msgpack.packb({"v": 1, "id": 5, "op": "put"})], 5, "ProtocolError", "'put'"),
             ([msgpack.packb({"v": 1, "id": 6, "op": "get", "namespace": NS, "seq_id": 1, "start": -1})], 6,
-             "InvalidArgument", "start must be in"),
+             "InvalidArgument", "start must be >= 0, got -1"),
             ([msgpack.packb({"v": 1, "id": 7, "op": "append", "namespace": NS, "seq_id": 1, "dtype": "float16",
                              "shape": [2, 1, 2, 16]}), b"\0" * 128, b"\0" * 3], 7, "ProtocolError",
              "values frame has 3 bytes"),
