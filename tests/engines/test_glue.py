@@ -1,0 +1,136 @@
+"""The engine glue without an engine: import hygiene, prefix keys, the KV-layout block copies, the link.
+
+The first two groups need neither torch nor an engine and run in the main venv too; the layout tests need
+torch only (no vLLM process, no model).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import KvdServer, missing_engines  # isort: skip  (tests/engines/conftest.py)
+from kvd.integrations import prefix
+
+pytestmark = pytest.mark.engines
+
+
+def test_import_kvd_never_imports_an_engine() -> None:
+    code = ("import sys, kvd, kvd.integrations, kvd.integrations.prefix, kvd.integrations.link, "
+            "kvd.integrations.model, kvd.client\n"
+            "heavy = sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_block_keys_chain_over_the_whole_prefix() -> None:
+    a = list(range(300))
+    b = a[:128] + [7] + a[129:]  # differs in block 1 only
+    ka, kb = prefix.block_keys(a, 128), prefix.block_keys(b, 128)
+    assert len(ka) == 2  # the partial third block has no key
+    assert ka[0] == kb[0] and ka[1] != kb[1]
+    assert prefix.block_keys(a, 128, max_blocks=1) == ka[:1]
+    assert prefix.block_keys(a[:128] + a[200:], 128)[0] == ka[0]
+    # a per-request salt or LoRA changes every key; the same ones give the same keys
+    salted = prefix.block_keys(a, 128, prefix.chain_seed("salt"))
+    assert salted[0] != ka[0] and salted == prefix.block_keys(a, 128, prefix.chain_seed("salt"))
+    assert prefix.block_keys(a, 128, prefix.chain_seed(lora="x:1"))[0] not in (ka[0], salted[0])
+    # a block's key depends on where it is: the same 128 tokens after another block are another key
+    assert prefix.block_keys(a[128:256] + a[:128], 128)[1] != ka[0]
+
+
+def test_namespace_covers_model_dtype_layout_and_block_size() -> None:
+    base = {"dtype": "torch.float32", "layout": "CPU_ATTN/vec", "block_size": 128, "shape": [30, 3, 64]}
+    ns = prefix.namespace_for("vllm", "/models/smollm2", **base)
+    assert ns.startswith("kvd/vllm/smollm2/") and len(ns.encode()) <= 256
+    assert ns == prefix.namespace_for("vllm", "/models/smollm2", **base)
+    for change in ({"dtype": "torch.bfloat16"}, {"layout": "CPU_ATTN/amx"}, {"block_size": 64},
+                   {"shape": [30, 3, 128]}):
+        assert prefix.namespace_for("vllm", "/models/smollm2", **{**base, **change}) != ns
+    assert prefix.namespace_for("vllm", "/other/smollm2", **base) != ns
+    assert prefix.namespace_for("transformers", "/models/smollm2", **base) != ns
+
+
+def test_stored_prefix_stops_at_the_first_missing_or_short_block() -> None:
+    from kvd.errors import UnknownSequence
+
+    lengths = {"a": 128, "b": 128, "c": 100, "d": 128}
+
+    def length(key: str) -> int:
+        if key not in lengths:
+            raise UnknownSequence(key)
+        return lengths[key]
+
+    assert prefix.stored_prefix(length, ["a", "b", "c", "d"], 128) == 2
+    assert prefix.stored_prefix(length, ["a", "x", "d"], 128) == 1
+    assert prefix.stored_prefix(length, [], 128) == 0
+
+
+def test_a_dead_kvd_costs_one_timeout_then_fails_fast() -> None:
+    from kvd.integrations.link import KvdDown, KvdLink
+
+    srv = KvdServer()
+    endpoint = srv.endpoint
+    link = KvdLink(endpoint, "ns", (2, 1, 8), timeout_s=0.5, retry_after_s=30)
+    assert link.call(lambda c: c.ping())
+    srv.stop()
+    t0 = time.monotonic()
+    with pytest.raises(KvdDown):
+        link.call(lambda c: c.length("ns", "x"))
+    first = time.monotonic() - t0
+    t0 = time.monotonic()
+    for _ in range(100):
+        with pytest.raises(KvdDown):
+            link.call(lambda c: c.length("ns", "x"))
+    assert first < 5 and time.monotonic() - t0 < 0.5 and link.down
+
+
+# ---- vLLM CPU layout: needs torch only -------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_mod():  # noqa: ANN201
+    reason = missing_engines("torch")
+    if reason:
+        pytest.skip(reason)
+    import torch
+
+    return torch
+
+
+def test_block_io_reads_keys_transposed_and_round_trips(torch_mod) -> None:  # noqa: ANN001
+    torch = torch_mod
+    from kvd.integrations.vllm_layout import BlockIO
+
+    layers, nb, h, d, bs = 3, 5, 2, 4, 8
+    caches = [torch.randn(nb, h, bs, 2 * d) for _ in range(layers)]
+    io = BlockIO(caches, h, d, bs)
+    k, v = io.read([3, 1])
+    assert k.shape == (2, layers, bs, h, d) and str(k.dtype) == "float16"
+    # the layout, spelled out: per (block, head) keys [D, bs] then values [bs, D]
+    row = caches[2][1, 1].reshape(-1)
+    assert torch.allclose(torch.from_numpy(k[1, 2, :, 1, :]).float(), row[: bs * d].reshape(d, bs).T, atol=1e-2)
+    assert torch.allclose(torch.from_numpy(v[1, 2, :, 1, :]).float(), row[bs * d:].reshape(bs, d), atol=1e-2)
+    fresh = [torch.zeros_like(c) for c in caches]
+    BlockIO(fresh, h, d, bs).write([3, 1], torch.from_numpy(k), torch.from_numpy(v))
+    for c, f in zip(caches, fresh, strict=True):
+        assert torch.allclose(c[[3, 1]], f[[3, 1]], atol=1e-2) and not f[[0, 2, 4]].any()
+
+
+def test_unverified_layouts_are_refused_with_a_clear_error(torch_mod) -> None:  # noqa: ANN001
+    torch = torch_mod
+    from kvd.integrations.vllm_layout import BlockIO, UnverifiedLayout, check_layout
+
+    assert "keys-transposed" in check_layout("CPU_ATTN", "vec", torch.float32, "auto")
+    for backend, isa, dtype, kv_dtype in (("CPU_ATTN", "amx", torch.bfloat16, "auto"),
+                                          ("CPU_ATTN", "vec16", torch.float32, "auto"),
+                                          ("FLASH_ATTN", "vec", torch.float32, "auto"),
+                                          ("CPU_ATTN", "vec", torch.float16, "auto"),
+                                          ("CPU_ATTN", "vec", torch.float32, "fp8")):
+        with pytest.raises(UnverifiedLayout, match="verified|quantized"):
+            check_layout(backend, isa, dtype, kv_dtype)
+    with pytest.raises(UnverifiedLayout, match="contiguous"):
+        BlockIO([torch.zeros(4, 2, 8, 8).transpose(1, 2)], 2, 4, 8)
