@@ -364,6 +364,7 @@ class _Saver:
         self._seen: set[str] = set()  # requests that had saves (the scheduler holds exactly these)
         self._awaiting: set[str] = set()  # finished requests whose saves are still pending
         self._thread: threading.Thread | None = None
+        self._next_warning = 0.0
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvd-saver", daemon=True)
@@ -401,7 +402,11 @@ class _Saver:
             self._counters["save_existing_blocks"] += 1  # another request or engine stored it first
         except (KvdDown, KvdError) as exc:
             self._counters["save_failed_blocks"] += 1
-            log.debug("kvd: save of block %s failed: %s", key, exc)
+            now = time.monotonic()
+            if now >= self._next_warning:  # counted always, logged at most every 10 s: kvd may be down for long
+                self._next_warning = now + 10.0
+                log.warning("kvd: a save failed (%s); %d failed so far, the engine carries on", exc,
+                            self._counters["save_failed_blocks"])
         finally:
             with self._lock:
                 self._bytes -= k.nbytes + v.nbytes
