@@ -134,3 +134,48 @@ def test_unverified_layouts_are_refused_with_a_clear_error(torch_mod) -> None:  
             check_layout(backend, isa, dtype, kv_dtype)
     with pytest.raises(UnverifiedLayout, match="contiguous"):
         BlockIO([torch.zeros(4, 2, 8, 8).transpose(1, 2)], 2, 4, 8)
+
+
+def test_connector_load_reports_failed_blocks_and_never_raises(torch_mod) -> None:  # noqa: ANN001
+    """KvdConnector._load against a real kvd: blocks after the first missing one are reported for vLLM to
+    recompute, and a dead kvd fails every block without raising. Needs vLLM importable (the module imports it);
+    the connector is built without an engine, only with what _load uses."""
+    reason = missing_engines("vllm")
+    if reason:
+        pytest.skip(reason)
+    import numpy as np
+
+    torch = torch_mod
+    from kvd.integrations.link import KvdLink
+    from kvd.integrations.vllm import KvdConnector, _Settings
+    from kvd.integrations.vllm_layout import BlockIO
+
+    layers, h, d, bs = 2, 2, 32, 32
+    srv = KvdServer()
+    link = KvdLink(srv.endpoint, "ns", (layers, h, d), timeout_s=0.5, retry_after_s=30)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((layers, bs, h, d), dtype=np.float32).astype(np.float16)
+    link.call(lambda c: c.append("ns", "b0", k, -k))
+    link.call(lambda c: c.append("ns", "short", k[:, :5], k[:, :5]))
+
+    conn = object.__new__(KvdConnector)
+    caches = [torch.zeros(10, h, bs, 2 * d) for _ in range(layers)]
+    conn._io, conn._link, conn.namespace, conn._bs = BlockIO(caches, h, d, bs), link, "ns", bs
+    conn._cfg = _Settings(endpoint=srv.endpoint, timeout_s=0.5, retry_after_s=30, fmt="pages", async_saves=False,
+                          save_buffer_bytes=1 << 20, model_id="m")
+    conn.counters = {"loaded_blocks": 0, "load_failed_blocks": 0}
+    conn._load_errors = set()
+    try:
+        conn._load([(5, "b0"), (7, "missing"), (9, "b0")])
+        assert conn.get_block_ids_with_load_errors() == {7, 9}
+        back_k, back_v = BlockIO(caches, h, d, bs).read([5])
+        assert np.array_equal(back_k[0], k) and np.array_equal(back_v[0], -k)
+        conn._load([(3, "short")])
+        assert conn.get_block_ids_with_load_errors() == {3}
+        srv.stop()
+        conn._load([(1, "b0"), (2, "b0")])
+        assert conn.get_block_ids_with_load_errors() == {1, 2}
+        assert conn.counters == {"loaded_blocks": 1, "load_failed_blocks": 5}
+    finally:
+        srv.stop()
+        link.close()
