@@ -176,3 +176,17 @@ def test_kvd_stopped_mid_run_the_engine_recomputes_and_answers(model_folder: Pat
     assert after[1]["cached"] == 0 and len(after[1]["token_ids"]) == 24
     assert elapsed < 20, f"a dead kvd cost {elapsed:.1f} s"
     assert counters["save_failed_blocks"] + counters["save_dropped_blocks"] > 0
+
+
+def test_synchronous_saves_are_in_kvd_when_the_step_ends(model_folder: Path) -> None:
+    """kvd_async_saves=false: no flush needed, the very next request hits."""
+    srv = KvdServer(level="fp16")
+    eng = Engine(model_folder, srv.endpoint, extra={"kvd_async_saves": False})
+    try:
+        miss = eng.generate(PROMPT)[0]
+        hit = eng.generate(PROMPT)[0]
+    finally:
+        eng.close()
+        srv.stop()
+    assert miss["cached"] == 0 and hit["cached"] == (len(hit["prompt_ids"]) - 1) // BLOCK * BLOCK
+    assert hit["token_ids"] == miss["token_ids"]
