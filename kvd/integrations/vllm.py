@@ -192,16 +192,20 @@ class KvdConnector(KVConnectorBase_V1):
         usable = st.keys[: max(0, (n_prompt - 1) // self._bs)]  # the engine must compute >= 1 prompt token
         if len(usable) * self._bs <= num_computed_tokens:
             return 0, False
+        # Blocks vLLM has itself (its own prefix cache, block-aligned) need no kvd copy: ask from the first
+        # block it lacks. Those local blocks were saved when this engine computed them, so they count as stored.
+        first = num_computed_tokens // self._bs
         self.counters["lookups"] += 1
         try:
-            hits = self._link.call(lambda c: prefix.stored_prefix(
-                lambda key: c.length(self.namespace, key), usable, self._bs))
+            found = self._link.call(lambda c: prefix.stored_prefix(
+                lambda key: c.length(self.namespace, key), usable[first:], self._bs))
         except (KvdDown, KvdError) as exc:
             self.counters["lookup_failures"] += 1
             log.debug("kvd lookup failed, recomputing: %s", exc)
             return 0, False
+        hits = first + found
         st.stored = max(st.stored, hits)
-        self.counters["lookup_hit_blocks"] += hits
+        self.counters["lookup_hit_blocks"] += found
         return max(0, hits * self._bs - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -142,6 +142,20 @@ def test_a_fresh_engine_process_hits_what_the_first_stored(first: dict[str, Any]
     assert out["token_ids"] == first["miss"]["token_ids"]
 
 
+def test_with_vllms_own_prefix_cache_on_kvd_supplies_what_it_lacks(first: dict[str, Any], model_folder: Path,
+                                                                   server: KvdServer) -> None:
+    eng = Engine(model_folder, server.endpoint, prefix_caching=True)
+    try:
+        a = eng.generate(PROMPT)[0]  # vLLM's cache is empty: the blocks come from kvd
+        b = eng.generate(OTHER)[0]  # the shared blocks are now in vLLM's own cache
+        counters = eng.ask({"counters": 1})
+    finally:
+        eng.close()
+    assert a["cached"] == first["hit"]["cached"] and a["token_ids"] == first["miss"]["token_ids"]
+    assert b["cached"] == first["other"]["cached"] and b["token_ids"] == first["other"]["token_ids"]
+    assert counters["loaded_blocks"] == a["cached"] // BLOCK  # only the first request needed kvd
+
+
 @pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"extra": {"kvd_model_id": "another-model"}}],
                          ids=["other-dtype", "other-model"])
 def test_another_dtype_or_model_gets_no_hit(first: dict[str, Any], model_folder: Path, server: KvdServer,
