@@ -8,7 +8,8 @@ ttft: one vLLM engine in this process (vLLM's own prefix cache off) with KvdConn
 child process whose level is switched between phases. "recompute": prompts whose first block is new each round
 (a miss: one lookup round trip, the prefill, and the copy-out of the new blocks for the asynchronous save).
 "kvd <level>": a prompt stored at that level once, then asked again every round (all full blocks loaded).
-TTFT = wall time of ``generate(max_tokens=1)``; medians over the rounds; saves are flushed between rounds.
+TTFT = wall time of ``generate(max_tokens=1)``; medians over the rounds, which interleave the cases; saves are
+flushed after every request.
 
 quality: for several real texts found on every Debian machine (licenses, Python's own reference docs), the
 first ``--prefix`` tokens' KV (the model's, fp32) is stored in kvd at a level and loaded back into a
@@ -138,15 +139,19 @@ def ttft(args: argparse.Namespace) -> None:
         return dt, out.num_cached_tokens or 0
 
     once(prompt("warm-up"))
-    rows = []
-    miss = [once(prompt(f"miss-{r}")) for r in range(args.rounds)]
-    rows.append(("recompute", statistics.median(t for t, _ in miss), max(c for _, c in miss)))
-    for level in args.levels.split(","):
+    levels = args.levels.split(",")
+    stored = {}
+    for level in levels:  # each prompt is sealed at its level when it is first computed and saved
         server.set_level(level)
-        ids = prompt(f"stored-{level}")
-        once(ids)  # computed and stored at this level
-        hits = [once(ids) for _ in range(args.rounds)]
-        rows.append((f"kvd {level}", statistics.median(t for t, _ in hits), min(c for _, c in hits)))
+        stored[level] = prompt(f"stored-{level}")
+        once(stored[level])
+    # Rounds interleave the cases, so that a load change on a shared machine hits every case alike.
+    times: dict[str, list[tuple[float, int]]] = {"recompute": [], **{f"kvd {lv}": [] for lv in levels}}
+    for r in range(args.rounds):
+        times["recompute"].append(once(prompt(f"miss-{r}")))
+        for level in levels:
+            times[f"kvd {level}"].append(once(stored[level]))
+    rows = [(name, statistics.median(t for t, _ in ts), min(c for _, c in ts)) for name, ts in times.items()]
     base = rows[0][1]
     print(f"\nTTFT, {args.tokens}-token prompt, fp32, block 128, kvd format={args.format}, "
           f"medians of {args.rounds}")
