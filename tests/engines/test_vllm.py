@@ -204,3 +204,19 @@ def test_synchronous_saves_are_in_kvd_when_the_step_ends(model_folder: Path) -> 
         srv.stop()
     assert miss["cached"] == 0 and hit["cached"] == (len(hit["prompt_ids"]) - 1) // BLOCK * BLOCK
     assert hit["token_ids"] == miss["token_ids"]
+
+
+def test_a_prompt_prefilled_in_chunks_is_saved_whole(model_folder: Path) -> None:
+    """max_num_batched_tokens=128: the prompt's blocks are computed over several steps (scheduled_cached_reqs)
+    and each step saves the blocks it completed."""
+    srv = KvdServer(level="fp16")
+    eng = Engine(model_folder, srv.endpoint, llm={"max_num_batched_tokens": 128, "max_num_seqs": 4})
+    try:
+        miss = eng.generate(PROMPT)[0]
+        assert eng.ask({"flush": 30})["flushed"]
+        hit = eng.generate(PROMPT)[0]
+    finally:
+        eng.close()
+        srv.stop()
+    assert miss["cached"] == 0 and hit["cached"] == (len(hit["prompt_ids"]) - 1) // BLOCK * BLOCK
+    assert hit["token_ids"] == miss["token_ids"]

@@ -38,7 +38,7 @@ def main() -> None:
                               kv_connector_extra_config=extra)
     llm = LLM(model=args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True, seed=0,
               enable_prefix_caching=args.get("prefix_caching", False), max_model_len=args.get("max_len", 4096),
-              kv_transfer_config=kv, **({"served_model_name": args["name"]} if args.get("name") else {}))
+              kv_transfer_config=kv, **args.get("llm", {}))
     connector = None
     if kv is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
