@@ -11,6 +11,9 @@ child process whose level is switched between phases. "recompute": prompts whose
 TTFT = wall time of ``generate(max_tokens=1)``; medians over the rounds, which interleave the cases; saves are
 flushed after every request.
 
+--mooncake adds Mooncake Store through vLLM's own MooncakeStoreConnector (embedded mode: mooncake_master on
+127.0.0.1, the engine contributes 2 GB), in its own engine process; the two engines never run at once.
+
 quality: for several real texts found on every Debian machine (licenses, Python's own reference docs), the
 first ``--prefix`` tokens' KV (the model's, fp32) is stored in kvd at a level and loaded back into a
 KvdCache; the next ``--cont`` tokens are then scored with it (teacher forcing). Reference: the same KV rounded
@@ -22,10 +25,14 @@ number of the ``--gen`` greedy tokens produced before the first one that differs
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +58,9 @@ def _serve(conn: Any, level: str, store_kwargs: dict[str, Any]) -> None:
 
     store = Store(2 << 30, **store_kwargs)
     store.set_level(level, 1)
-    server = _shard_server_class()(store, shard_id="bench-0")
+    # No background compaction: it would re-encode the prompts stored at fp16 and q8 once the level rises to q4
+    # (and compete for the CPU during the rounds); each prompt must stay at the level it was stored at.
+    server = _shard_server_class()(store, shard_id="bench-0", compact_budget_bytes=0)
     conn.send(server.start())
     epoch = 1
     while True:
@@ -103,62 +112,157 @@ def texts() -> dict[str, str]:
 # ---- ttft -------------------------------------------------------------------------------------------------------
 
 
-def ttft(args: argparse.Namespace) -> None:
+def _engine(conn: Any, model: str, kind: str, extra: dict[str, Any], env: dict[str, str]) -> None:
+    """One vLLM engine in a process of its own (vLLM keeps its connector in a process global), answering
+    ("gen", ids) -> (seconds, cached tokens), ("flush",), ("counters",), ("tokenize", text), ("stop",)."""
+    os.environ.update(env)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+    if kind == "kvd":
+        kv = KVTransferConfig(kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
+                              kv_role="kv_both", kv_load_failure_policy="recompute",
+                              kv_connector_extra_config=extra)
+    else:
+        kv = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both",
+                              kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, seed=0,
+              max_model_len=4096, kv_transfer_config=kv)
+    started = time.perf_counter() - t0
+    connector = None
+    if kind == "kvd":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        connector = get_kv_transfer_group()
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+    conn.send(started)
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "gen":
+            t = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": cmd[1]}], sp, use_tqdm=False)[0]
+            conn.send((time.perf_counter() - t, out.num_cached_tokens or 0))
+        elif cmd[0] == "flush":
+            if connector is not None:
+                connector.wait_saves(60)
+            else:
+                time.sleep(1.0)  # Mooncake's saves: no public wait; they take well under a second here
+            conn.send(True)
+        elif cmd[0] == "counters":
+            conn.send(dict(connector.counters) if connector is not None else {})
+        elif cmd[0] == "tokenize":
+            conn.send(llm.get_tokenizer()(cmd[1]).input_ids)
+        else:
+            conn.send(True)
+            return
+
+
+class Engine:
+    def __init__(self, model: str, kind: str, extra: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine, args=(child, model, kind, extra, env or {}), daemon=True)
+        self.proc.start()
+        self.start_s: float = self._conn.recv()
+
+    def ask(self, *cmd: Any) -> Any:
+        self._conn.send(cmd)
+        return self._conn.recv()
+
+    def once(self, ids: list[int]) -> tuple[float, int]:
+        result = self.ask("gen", ids)
+        self.ask("flush")
+        return result
+
+    def stop(self) -> None:
+        self.ask("stop")
+        self.proc.join(30)
+
+
+class Mooncake:
+    """mooncake_master on 127.0.0.1 (embedded mode: the engine contributes the memory), if installed."""
+
+    def __init__(self, workdir: Path, port: int = 50551) -> None:
+        exe = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
+        if not Path(exe).is_file():
+            raise FileNotFoundError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
+                                    "(and apt-get install libibverbs1)")
+        self.dir = Path(tempfile.mkdtemp(dir=workdir))
+        self.log = open(self.dir / "master.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([exe, "-rpc_address", "127.0.0.1", "-rpc_port", str(port),
+                                      "-metrics_port", str(port + 1)], stdout=self.log, stderr=self.log)
+        time.sleep(2.0)
+        self.config = self.dir / "mooncake.json"
+        self.config.write_text(json.dumps({
+            "metadata_server": "P2PHANDSHAKE", "master_server_address": f"127.0.0.1:{port}", "protocol": "tcp",
+            "device_name": "", "mode": "embedded", "global_segment_size": "2GB", "local_buffer_size": "512MB"}))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def ttft(args: argparse.Namespace) -> None:
     from kvd.integrations.model import build_model_folder
 
-    model = build_model_folder(args.cache)
+    model = str(build_model_folder(args.cache))
     server = Server("fp16")
-    kv = KVTransferConfig(kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
-                          kv_role="kv_both", kv_load_failure_policy="recompute",
-                          kv_connector_extra_config={"kvd_endpoint": server.endpoint, "kvd_format": args.format})
-    t0 = time.perf_counter()
-    llm = LLM(model=str(model), dtype="float32", enforce_eager=True, enable_prefix_caching=False, seed=0,
-              max_model_len=4096, kv_transfer_config=kv)
-    print(f"engine start: {time.perf_counter() - t0:.1f} s")
-    connector = get_kv_transfer_group()
-    tok = llm.get_tokenizer()
-    body = tok("\n\n".join(texts().values())).input_ids
+    kvd = Engine(model, "kvd", {"kvd_endpoint": server.endpoint, "kvd_format": args.format})
+    print(f"engine start, kvd connector: {kvd.start_s:.1f} s")
+    mooncake = mc_engine = None
+    if args.mooncake:
+        mooncake = Mooncake(Path(tempfile.gettempdir()))
+        loopback = {"MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"}
+        mc_engine = Engine(model, "mooncake", {}, {"MOONCAKE_CONFIG_PATH": str(mooncake.config), **loopback})
+        print(f"engine start, Mooncake connector: {mc_engine.start_s:.1f} s")
+    body = kvd.ask("tokenize", "\n\n".join(texts().values()))
 
     def prompt(tag: str) -> list[int]:
-        head = tok(f"Document {tag}. Read it and answer the question at the end.\n").input_ids
-        return head + body[: args.tokens - len(head) - 8] + tok("\nQuestion: what is this?").input_ids[:8]
+        head = kvd.ask("tokenize", f"Document {tag}. Read it and answer the question at the end.\n")
+        return head + body[: args.tokens - len(head) - 8] + kvd.ask("tokenize", "\nQuestion: what is it?")[:8]
 
-    sp = SamplingParams(temperature=0.0, max_tokens=1)
-
-    def once(ids: list[int]) -> tuple[float, int]:
-        t = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0]
-        dt = time.perf_counter() - t
-        connector.wait_saves(60)
-        return dt, out.num_cached_tokens or 0
-
-    once(prompt("warm-up"))
+    kvd.once(prompt("warm-up"))
     levels = args.levels.split(",")
     stored = {}
     for level in levels:  # each prompt is sealed at its level when it is first computed and saved
         server.set_level(level)
         stored[level] = prompt(f"stored-{level}")
-        once(stored[level])
-    # Rounds interleave the cases, so that a load change on a shared machine hits every case alike.
-    times: dict[str, list[tuple[float, int]]] = {"recompute": [], **{f"kvd {lv}": [] for lv in levels}}
+        kvd.once(stored[level])
+    cases: dict[str, tuple[Engine, Any]] = {"recompute": (kvd, None), **{f"kvd {lv}": (kvd, stored[lv])
+                                                                          for lv in levels}}
+    if mc_engine is not None:
+        mc_engine.once(prompt("warm-up"))
+        stored["mooncake"] = prompt("stored-mooncake")
+        mc_engine.once(stored["mooncake"])
+        cases["mooncake"] = (mc_engine, stored["mooncake"])
+    # Rounds interleave the cases (one engine runs at a time), so that a load change on a shared machine hits
+    # every case alike.
+    times: dict[str, list[tuple[float, int]]] = {name: [] for name in cases}
     for r in range(args.rounds):
-        times["recompute"].append(once(prompt(f"miss-{r}")))
-        for level in levels:
-            times[f"kvd {level}"].append(once(stored[level]))
+        for name, (eng, ids) in cases.items():
+            times[name].append(eng.once(ids if ids is not None else prompt(f"miss-{r}")))
     rows = [(name, statistics.median(t for t, _ in ts), min(c for _, c in ts)) for name, ts in times.items()]
     base = rows[0][1]
     print(f"\nTTFT, {args.tokens}-token prompt, fp32, block 128, kvd format={args.format}, "
-          f"medians of {args.rounds}")
-    print(f"{'case':<14} {'TTFT ms':>9} {'x recompute':>12} {'tokens from kvd':>16}")
+          f"medians of {args.rounds} interleaved rounds")
+    print(f"{'case':<14} {'TTFT ms':>9} {'x recompute':>12} {'tokens loaded':>14}")
     for name, t, cached in rows:
-        print(f"{name:<14} {t * 1000:>9.0f} {t / base:>12.3f} {cached:>16}")
-    print(f"connector counters (worker): {connector.counters}")
+        raw = " ".join(f"{x * 1000:.0f}" for x, _ in times[name])
+        print(f"{name:<14} {t * 1000:>9.0f} {t / base:>12.3f} {cached:>14}   rounds: {raw}")
+    if mc_engine is not None:
+        mc = next(t for n, t, _ in rows if n == "mooncake")
+        for name, t, _ in rows:
+            if name.startswith("kvd"):
+                print(f"{name}: TTFT ratio Mooncake / kvd = {mc / t:.2f}")
+    print(f"kvd connector counters (worker): {kvd.ask('counters')}")
+    kvd.stop()
+    if mc_engine is not None and mooncake is not None:
+        mc_engine.stop()
+        mooncake.stop()
     server.stop()
 
 
@@ -256,6 +360,8 @@ def main() -> int:
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--levels", default="fp16,q8,q4")
     t.add_argument("--format", default="pages", choices=("pages", "fp16"))
+    t.add_argument("--mooncake", action="store_true",
+                   help="also Mooncake Store through vLLM's MooncakeStoreConnector (mooncake_master on 127.0.0.1)")
     q = sub.add_parser("quality", help="KL / perplexity / agreement per level through transformers")
     q.add_argument("--prefix", type=int, default=1024)
     q.add_argument("--cont", type=int, default=256)
