@@ -11,8 +11,10 @@ child process whose level is switched between phases. "recompute": prompts whose
 TTFT = wall time of ``generate(max_tokens=1)``; medians over the rounds, which interleave the cases; saves are
 flushed after every request.
 
---mooncake adds Mooncake Store through vLLM's own MooncakeStoreConnector (embedded mode: mooncake_master on
-127.0.0.1, the engine contributes 2 GB), in its own engine process; the two engines never run at once.
+--mooncake adds Mooncake Store through vLLM's own MooncakeStoreConnector, in its own engine process (the two
+engines never run at once): mooncake_master and, by default, a mooncake_client storage process (standalone-store
+mode, the deployment comparable to a kvd server) on 127.0.0.1; ``--mooncake-mode embedded`` keeps the pool in
+the engine process instead.
 
 quality: for several real texts found on every Debian machine (licenses, Python's own reference docs), the
 first ``--prefix`` tokens' KV (the model's, fp32) is stored in kvd at a level and loaded back into a
@@ -183,26 +185,37 @@ class Engine:
 
 
 class Mooncake:
-    """mooncake_master on 127.0.0.1 (embedded mode: the engine contributes the memory), if installed."""
+    """mooncake_master (and, in ``standalone-store`` mode, a mooncake_client storage process holding the pool)
+    on 127.0.0.1, with the JSON config vLLM's MooncakeStoreConnector reads from $MOONCAKE_CONFIG_PATH. In
+    ``embedded`` mode the engine process contributes the memory itself (a local copy on a hit)."""
 
-    def __init__(self, workdir: Path, port: int = 50551) -> None:
-        exe = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
-        if not Path(exe).is_file():
+    def __init__(self, workdir: Path, mode: str, port: int = 50551) -> None:
+        master = shutil.which("mooncake_master") or str(Path(sys.executable).with_name("mooncake_master"))
+        if not Path(master).is_file():
             raise FileNotFoundError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
                                     "(and apt-get install libibverbs1)")
         self.dir = Path(tempfile.mkdtemp(dir=workdir))
-        self.log = open(self.dir / "master.log", "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([exe, "-rpc_address", "127.0.0.1", "-rpc_port", str(port),
-                                      "-metrics_port", str(port + 1)], stdout=self.log, stderr=self.log)
+        self.log = open(self.dir / "mooncake.log", "w")  # noqa: SIM115 - closed in stop()
+        self.procs = [subprocess.Popen([master, "-rpc_address", "127.0.0.1", "-rpc_port", str(port),
+                                        "-metrics_port", str(port + 1)], stdout=self.log, stderr=self.log)]
         time.sleep(2.0)
+        if mode == "standalone-store":
+            client = str(Path(master).with_name("mooncake_client"))
+            self.procs.append(subprocess.Popen(
+                [client, "-host", "127.0.0.1", "-port", str(port + 2), "-master_server_address",
+                 f"127.0.0.1:{port}", "-metadata_server", "P2PHANDSHAKE", "-protocol", "tcp",
+                 "-global_segment_size", "2 GB"], stdout=self.log, stderr=self.log))
+            time.sleep(2.0)
         self.config = self.dir / "mooncake.json"
         self.config.write_text(json.dumps({
             "metadata_server": "P2PHANDSHAKE", "master_server_address": f"127.0.0.1:{port}", "protocol": "tcp",
-            "device_name": "", "mode": "embedded", "global_segment_size": "2GB", "local_buffer_size": "512MB"}))
+            "device_name": "", "mode": mode, "global_segment_size": "2GB" if mode == "embedded" else 0,
+            "local_buffer_size": "512MB"}))
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+        for proc in reversed(self.procs):
+            proc.terminate()
+            proc.wait(10)
         self.log.close()
 
 
@@ -215,10 +228,10 @@ def ttft(args: argparse.Namespace) -> None:
     print(f"engine start, kvd connector: {kvd.start_s:.1f} s")
     mooncake = mc_engine = None
     if args.mooncake:
-        mooncake = Mooncake(Path(tempfile.gettempdir()))
+        mooncake = Mooncake(Path(tempfile.gettempdir()), args.mooncake_mode)
         loopback = {"MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"}
         mc_engine = Engine(model, "mooncake", {}, {"MOONCAKE_CONFIG_PATH": str(mooncake.config), **loopback})
-        print(f"engine start, Mooncake connector: {mc_engine.start_s:.1f} s")
+        print(f"engine start, Mooncake connector ({args.mooncake_mode}): {mc_engine.start_s:.1f} s")
     body = kvd.ask("tokenize", "\n\n".join(texts().values()))
 
     def prompt(tag: str) -> list[int]:
@@ -362,6 +375,7 @@ def main() -> int:
     t.add_argument("--format", default="pages", choices=("pages", "fp16"))
     t.add_argument("--mooncake", action="store_true",
                    help="also Mooncake Store through vLLM's MooncakeStoreConnector (mooncake_master on 127.0.0.1)")
+    t.add_argument("--mooncake-mode", default="standalone-store", choices=("standalone-store", "embedded"))
     q = sub.add_parser("quality", help="KL / perplexity / agreement per level through transformers")
     q.add_argument("--prefix", type=int, default=1024)
     q.add_argument("--cont", type=int, default=256)

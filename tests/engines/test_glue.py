@@ -118,6 +118,12 @@ def test_block_io_reads_keys_transposed_and_round_trips(torch_mod) -> None:  # n
     BlockIO(fresh, h, d, bs).write([3, 1], torch.from_numpy(k), torch.from_numpy(v))
     for c, f in zip(caches, fresh, strict=True):
         assert torch.allclose(c[[3, 1]], f[[3, 1]], atol=1e-2) and not f[[0, 2, 4]].any()
+    # consecutive blocks take the direct path; same bytes
+    k2, v2 = io.read([1, 2])
+    direct = [torch.zeros_like(c) for c in caches]
+    BlockIO(direct, h, d, bs).write([1, 2], torch.from_numpy(k2), torch.from_numpy(v2))
+    for c, f in zip(caches, direct, strict=True):
+        assert torch.allclose(c[[1, 2]], f[[1, 2]], atol=1e-2) and not f[[0, 3, 4]].any()
 
 
 def test_unverified_layouts_are_refused_with_a_clear_error(torch_mod) -> None:  # noqa: ANN001
@@ -163,7 +169,7 @@ def test_connector_load_reports_failed_blocks_and_never_raises(torch_mod) -> Non
     conn._io, conn._link, conn.namespace, conn._bs = BlockIO(caches, h, d, bs), link, "ns", bs
     conn._cfg = _Settings(endpoint=srv.endpoint, timeout_s=0.5, retry_after_s=30, fmt="pages", async_saves=False,
                           save_buffer_bytes=1 << 20, model_id="m")
-    conn.counters = {"loaded_blocks": 0, "load_failed_blocks": 0}
+    conn.counters = {"loaded_blocks": 0, "load_failed_blocks": 0, "load_fetch_us": 0, "load_write_us": 0}
     conn._load_errors = set()
     try:
         conn._load([(5, "b0"), (7, "missing"), (9, "b0")])
@@ -175,7 +181,7 @@ def test_connector_load_reports_failed_blocks_and_never_raises(torch_mod) -> Non
         srv.stop()
         conn._load([(1, "b0"), (2, "b0")])
         assert conn.get_block_ids_with_load_errors() == {1, 2}
-        assert conn.counters == {"loaded_blocks": 1, "load_failed_blocks": 5}
+        assert conn.counters["loaded_blocks"] == 1 and conn.counters["load_failed_blocks"] == 5
     finally:
         srv.stop()
         link.close()
