@@ -182,7 +182,12 @@ class KvdConnector(KVConnectorBase_V1):
             lora = getattr(request, "lora_request", None)
             seed = prefix.chain_seed(getattr(request, "cache_salt", None),
                                      None if lora is None else f"{lora.lora_name}:{lora.lora_int_id}")
-            st = _Req(keys=prefix.block_keys(list(request.prompt_token_ids or ()), self._bs, seed))
+            if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+                # The KV depends on more than the token ids (images, audio, embeddings share placeholder ids):
+                # no keys, so such requests are neither looked up nor saved rather than risk a false hit.
+                st = _Req(keys=[])
+            else:
+                st = _Req(keys=prefix.block_keys(list(request.prompt_token_ids or ()), self._bs, seed))
             self._reqs[request.request_id] = st
         return st
 

@@ -185,3 +185,27 @@ def test_connector_load_reports_failed_blocks_and_never_raises(torch_mod) -> Non
     finally:
         srv.stop()
         link.close()
+
+
+def test_connector_keys_cover_salt_and_lora_and_skip_multimodal_prompts(torch_mod) -> None:  # noqa: ANN001
+    """The scheduler side's keys for a request: salted and LoRA requests get other keys; a request whose KV
+    depends on more than its token ids (multimodal features, prompt embeddings) gets none."""
+    if missing_engines("vllm"):
+        pytest.skip(missing_engines("vllm"))
+    from types import SimpleNamespace
+
+    from kvd.integrations.vllm import KvdConnector
+
+    conn = object.__new__(KvdConnector)
+    conn._bs, conn._reqs = 32, {}
+
+    def keys(rid: str, **fields: object) -> list[str]:
+        base = {"request_id": rid, "prompt_token_ids": list(range(100)), "cache_salt": None, "lora_request": None,
+                "mm_features": None, "prompt_embeds": None}
+        return conn._state(SimpleNamespace(**{**base, **fields})).keys
+
+    plain = keys("a")
+    assert len(plain) == 3 and plain == prefix.block_keys(list(range(100)), 32)
+    assert keys("b", cache_salt="tenant-1")[0] != plain[0]
+    assert keys("c", lora_request=SimpleNamespace(lora_name="x", lora_int_id=1))[0] != plain[0]
+    assert keys("d", mm_features=[object()]) == [] and keys("e", prompt_embeds=torch_mod.zeros(1)) == []
