@@ -262,15 +262,20 @@ def ttft(args: argparse.Namespace) -> None:
     base = rows[0][1]
     print(f"\nTTFT, {args.tokens}-token prompt, fp32, block 128, kvd format={args.format}, "
           f"medians of {args.rounds} interleaved rounds")
-    print(f"{'case':<14} {'TTFT ms':>9} {'x recompute':>12} {'tokens loaded':>14}")
+    # On a shared machine the medians carry other processes' load; the minimum over rounds estimates the
+    # uncontended cost. Both are printed.
+    print(f"{'case':<14} {'TTFT ms':>9} {'x recompute':>12} {'min ms':>8} {'tokens loaded':>14}")
     for name, t, cached in rows:
         raw = " ".join(f"{x * 1000:.0f}" for x, _ in times[name])
-        print(f"{name:<14} {t * 1000:>9.0f} {t / base:>12.3f} {cached:>14}   rounds: {raw}")
+        best = min(x for x, _ in times[name])
+        print(f"{name:<14} {t * 1000:>9.0f} {t / base:>12.3f} {best * 1000:>8.0f} {cached:>14}   rounds: {raw}")
     if mc_engine is not None:
         mc = next(t for n, t, _ in rows if n == "mooncake")
+        mc_best = min(x for x, _ in times["mooncake"])
         for name, t, _ in rows:
             if name.startswith("kvd"):
-                print(f"{name}: TTFT ratio Mooncake / kvd = {mc / t:.2f}")
+                best = min(x for x, _ in times[name])
+                print(f"{name}: TTFT ratio Mooncake / kvd = {mc / t:.2f} (medians), {mc_best / best:.2f} (minima)")
     print(f"kvd connector counters (worker): {kvd.ask('counters')}")
     kvd.stop()
     if mc_engine is not None and mooncake is not None:
