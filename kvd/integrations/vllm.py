@@ -37,6 +37,11 @@ and shape, so engines that differ in any of them never share a false hit.
   were scheduled is held by ``request_finished`` until ``get_finished`` reports its saves done (stored, refused
   or dropped), so "finished sending" means "in kvd or given up".
 
+Also: with vLLM's own prefix cache on, only the blocks it lacks are looked up and loaded; requests with
+multimodal inputs or prompt embeddings are neither looked up nor saved (their KV depends on more than the token
+ids). Known cost: kvd protects the first ``sink_tokens`` of every *sequence* at fp16, and each block is a
+sequence, so under the default protection the first page of every block stays fp16 (notes of issue 17).
+
 Only ``kvd.*`` public names, torch and vLLM are imported; ``import kvd`` itself never imports this module.
 """
 
