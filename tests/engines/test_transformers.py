@@ -1,0 +1,121 @@
+"""KvdCache under real transformers (SmolLM2-135M, fp32) against a real kvd shard server at level fp16.
+
+Greedy generation through a KvdCache must give the tokens a DynamicCache gives: when it loaded nothing (it is
+a DynamicCache then), when it resumes a stored sequence, and when it reuses a stored prompt prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import KvdServer, missing_engines  # isort: skip  (tests/engines/conftest.py)
+
+_reason = missing_engines("torch", "transformers")
+if _reason:
+    pytest.skip(_reason, allow_module_level=True)
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+
+from kvd.client import Client  # noqa: E402
+from kvd.errors import UnknownSequence  # noqa: E402
+from kvd.integrations.transformers import KvdCache  # noqa: E402
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
+
+SYSTEM = ("You are a careful assistant for a museum of river trade. The museum keeps boats, ledgers, maps and "
+          "the letters of the merchants who built the town. ") * 6
+
+
+@pytest.fixture(scope="module")
+def model(model_folder: Path) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    return (AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(model_folder))
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Client]:
+    srv = KvdServer(level="fp16")
+    try:
+        with Client(srv.endpoint) as kv:
+            yield kv
+    finally:
+        srv.stop()
+
+
+def ids_of(tok: Any, text: str) -> torch.Tensor:
+    return tok(text, return_tensors="pt").input_ids
+
+
+def greedy(model: Any, ids: torch.Tensor, cache: Any, n: int) -> torch.Tensor:
+    """Exactly ``n`` greedy tokens (EOS suppressed: this small model likes to stop after a few tokens)."""
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=model.config.eos_token_id or 0)
+
+
+def test_a_fresh_kvd_cache_generates_what_dynamic_cache_does(model: tuple[Any, Any], client: Client) -> None:
+    m, tok = model
+    ids = ids_of(tok, SYSTEM + "Question: what is in the museum?")
+    want = greedy(m, ids, DynamicCache(config=m.config), 24)
+    cache = KvdCache(client, m.config)
+    assert torch.equal(greedy(m, ids, cache, 24), want)
+    assert cache.get_seq_length() == want.shape[1] - 1
+
+
+def test_a_stored_sequence_resumes_with_the_same_tokens(model: tuple[Any, Any], client: Client) -> None:
+    m, tok = model
+    ids = ids_of(tok, SYSTEM + "Question: who built the town?")
+    want = greedy(m, ids, DynamicCache(config=m.config), 40)  # one call: 40 tokens
+
+    first = KvdCache(client, m.config)
+    part = greedy(m, ids, first, 20)
+    assert first.save("conversation-1") == part.shape[1] - 1
+    assert first.save("conversation-1") == part.shape[1] - 1  # nothing new: no second append
+
+    resumed = KvdCache.resume(client, m.config, "conversation-1")
+    assert resumed.loaded_tokens == part.shape[1] - 1
+    out = greedy(m, part, resumed, 20)  # the model computes only the last token of `part`, then 19 more
+    assert torch.equal(out, want)
+    assert resumed.save("conversation-1") == out.shape[1] - 1  # only the new tokens are appended
+
+    with pytest.raises(UnknownSequence):
+        KvdCache.resume(client, m.config, "never-stored")
+
+
+def test_a_stored_prompt_prefix_is_loaded_instead_of_recomputed(model: tuple[Any, Any], client: Client) -> None:
+    m, tok = model
+    a = ids_of(tok, SYSTEM + "Question: what do the maps show?")
+    b = ids_of(tok, SYSTEM + "Question: where are the ledgers kept?")
+
+    writer = KvdCache(client, m.config)
+    with torch.no_grad():
+        m(a, past_key_values=writer, use_cache=True)  # prefill only
+    stored = writer.save_prefix(a)
+    assert stored == a.shape[1] // writer.block_tokens >= 2
+
+    reader = KvdCache.for_prompt(client, m.config, b)
+    shared = next(i for i in range(min(a.shape[1], b.shape[1])) if a[0, i] != b[0, i])
+    assert reader.loaded_tokens == shared // reader.block_tokens * reader.block_tokens > 0
+    want = greedy(m, b, DynamicCache(config=m.config), 24)
+    assert torch.equal(greedy(m, b, reader, 24), want)
+
+    other = KvdCache.for_prompt(client, m.config, ids_of(tok, "An unrelated prompt about the weather today."))
+    assert other.loaded_tokens == 0 and other.get_seq_length() == 0
+
+
+def test_another_model_id_does_not_see_the_stored_prefix(model: tuple[Any, Any], client: Client) -> None:
+    m, tok = model
+    a = ids_of(tok, SYSTEM + "Question: what do the maps show?")
+    writer = KvdCache(client, m.config)
+    with torch.no_grad():
+        m(a, past_key_values=writer, use_cache=True)
+    writer.save_prefix(a)
+    assert KvdCache.for_prompt(client, m.config, a).loaded_tokens > 0
+    assert KvdCache.for_prompt(client, m.config, a, model_id="another-model").loaded_tokens == 0
+    assert KvdCache.for_prompt(client, m.config, a, dtype=torch.bfloat16).loaded_tokens == 0

@@ -1,0 +1,222 @@
+"""KvdConnector under a real vLLM (CPU) engine, SmolLM2-135M in fp32, against a real kvd shard server.
+
+Every engine runs in a process of its own (vllm_engine.py) with vLLM's own prefix cache off, so a cached-token
+count above zero can only come from kvd. The prompt shares a 3-block prefix (block size 128).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import KvdServer, missing_engines  # isort: skip  (tests/engines/conftest.py)
+
+_reason = missing_engines("torch", "vllm", "transformers")
+if _reason:
+    pytest.skip(_reason, allow_module_level=True)
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
+
+PREFIX = ("The history of the city begins with a small fishing village on the banks of a wide river. "
+          "Merchants came by boat, built warehouses of stone, and the village grew into a market town. ") * 12
+PROMPT = PREFIX + "Summarize the story in one sentence."
+OTHER = PREFIX + "Which trade made the town rich?"
+BLOCK = 128
+RUNNER = Path(__file__).with_name("vllm_engine.py")
+
+
+class Engine:
+    """One vLLM engine process; :meth:`ask` sends a command and returns its JSON reply."""
+
+    def __init__(self, model: Path, endpoint: str | None, **options: Any) -> None:
+        args = {"model": str(model), "endpoint": endpoint, **options}
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
+        self.proc = subprocess.Popen([sys.executable, str(RUNNER), json.dumps(args)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+        assert self.ask(None).get("ready"), "the engine did not start"
+
+    def ask(self, cmd: dict[str, Any] | None) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if cmd is not None:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise AssertionError(f"the engine exited ({self.proc.wait(30)}) before answering {cmd}")
+
+    def generate(self, *texts: str, max_tokens: int = 24) -> list[dict[str, Any]]:
+        return self.ask({"generate": list(texts), "max_tokens": max_tokens})["outputs"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask({"quit": True})
+            except (AssertionError, BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[KvdServer]:
+    srv = KvdServer(level="fp16")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def first(model_folder: Path, server: KvdServer) -> Iterator[dict[str, Any]]:
+    """A first fp32 engine: PROMPT computed (a miss), its blocks stored, then PROMPT again and OTHER."""
+    eng = Engine(model_folder, server.endpoint)
+    try:
+        miss = eng.generate(PROMPT)[0]
+        assert eng.ask({"flush": 30})["flushed"]
+        hit, other = eng.generate(PROMPT, OTHER)
+        yield {"miss": miss, "hit": hit, "other": other, "namespace": eng.ask({"namespace": 1})["namespace"],
+               "counters": eng.ask({"counters": 1})}
+    finally:
+        eng.close()
+
+
+def test_second_request_loads_the_prefix_from_kvd_and_matches_recomputation(first: dict[str, Any]) -> None:
+    full_blocks = (len(first["miss"]["prompt_ids"]) - 1) // BLOCK
+    assert full_blocks >= 3
+    assert first["miss"]["cached"] == 0
+    assert first["hit"]["cached"] == full_blocks * BLOCK  # vLLM's own prefix cache is off: these came from kvd
+    assert first["hit"]["token_ids"] == first["miss"]["token_ids"]  # level fp16, fp32 engine
+    a, b = first["miss"]["prompt_ids"], first["other"]["prompt_ids"]
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert shared >= 3 * BLOCK
+    assert first["other"]["cached"] == shared // BLOCK * BLOCK  # another question, the same prefix blocks
+    c = first["counters"]
+    assert c["saved_blocks"] >= full_blocks and c["loaded_blocks"] >= full_blocks + shared // BLOCK
+    assert c["load_failed_blocks"] == 0 and c["save_failed_blocks"] == 0
+
+
+def test_stored_blocks_are_the_models_own_keys_and_values(first: dict[str, Any], server: KvdServer,
+                                                          model_folder: Path) -> None:
+    """What kvd holds for block 0 is transformers' K/V for the same tokens (keys read the right way round)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvd.client import Client
+    from kvd.integrations import prefix
+
+    ids = first["miss"]["prompt_ids"]
+    key = prefix.block_keys(ids, BLOCK)[0]
+    with Client(server.endpoint) as kv:
+        k, v = kv.get(first["namespace"], key)  # [L, 128, H, D] float16
+    model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
+    with torch.no_grad():
+        cache = model(torch.tensor([ids[:BLOCK]]), use_cache=True).past_key_values
+    for layer in (0, 15, 29):
+        want_k = cache.layers[layer].keys[0].permute(1, 0, 2).numpy()  # [T, H, D]
+        want_v = cache.layers[layer].values[0].permute(1, 0, 2).numpy()
+        scale = max(1.0, float(abs(want_k).max()))
+        assert abs(k[layer].astype("float32") - want_k).max() < 2e-2 * scale
+        assert abs(v[layer].astype("float32") - want_v).max() < 2e-2 * max(1.0, float(abs(want_v).max()))
+
+
+def test_a_fresh_engine_process_hits_what_the_first_stored(first: dict[str, Any], model_folder: Path,
+                                                           server: KvdServer) -> None:
+    eng = Engine(model_folder, server.endpoint)
+    try:
+        out = eng.generate(PROMPT)[0]
+    finally:
+        eng.close()
+    assert out["cached"] == first["hit"]["cached"]
+    assert out["token_ids"] == first["miss"]["token_ids"]
+
+
+def test_with_vllms_own_prefix_cache_on_kvd_supplies_what_it_lacks(first: dict[str, Any], model_folder: Path,
+                                                                   server: KvdServer) -> None:
+    eng = Engine(model_folder, server.endpoint, prefix_caching=True)
+    try:
+        a = eng.generate(PROMPT)[0]  # vLLM's cache is empty: the blocks come from kvd
+        b = eng.generate(OTHER)[0]  # the shared blocks are now in vLLM's own cache
+        counters = eng.ask({"counters": 1})
+    finally:
+        eng.close()
+    assert a["cached"] == first["hit"]["cached"] and a["token_ids"] == first["miss"]["token_ids"]
+    assert b["cached"] == first["other"]["cached"] and b["token_ids"] == first["other"]["token_ids"]
+    assert counters["loaded_blocks"] == a["cached"] // BLOCK  # only the first request needed kvd
+
+
+@pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"extra": {"kvd_model_id": "another-model"}}],
+                         ids=["other-dtype", "other-model"])
+def test_another_dtype_or_model_gets_no_hit(first: dict[str, Any], model_folder: Path, server: KvdServer,
+                                            options: dict[str, Any]) -> None:
+    eng = Engine(model_folder, server.endpoint, **options)
+    try:
+        out = eng.generate(PROMPT)[0]
+        namespace = eng.ask({"namespace": 1})["namespace"]
+    finally:
+        eng.close()
+    assert namespace != first["namespace"]
+    assert out["cached"] == 0
+
+
+def test_kvd_stopped_mid_run_the_engine_recomputes_and_answers(model_folder: Path) -> None:
+    srv = KvdServer(level="fp16")
+    eng = Engine(model_folder, srv.endpoint)
+    try:
+        ref = eng.generate(PROMPT)[0]
+        assert eng.ask({"flush": 30})["flushed"]
+        assert eng.generate(PROMPT)[0]["cached"] > 0
+        srv.stop()
+        t0 = time.monotonic()
+        after = eng.generate(PROMPT, OTHER)
+        elapsed = time.monotonic() - t0
+        assert eng.ask({"flush": 30})["flushed"]  # the saves it tried are given up, not stuck
+        counters = eng.ask({"counters": 1})
+    finally:
+        eng.close()
+        srv.stop()
+    assert after[0]["cached"] == 0 and after[0]["token_ids"] == ref["token_ids"]
+    assert after[1]["cached"] == 0 and len(after[1]["token_ids"]) == 24
+    assert elapsed < 20, f"a dead kvd cost {elapsed:.1f} s"
+    assert counters["save_failed_blocks"] + counters["save_dropped_blocks"] > 0
+
+
+def test_synchronous_saves_are_in_kvd_when_the_step_ends(model_folder: Path) -> None:
+    """kvd_async_saves=false: no flush needed, the very next request hits."""
+    srv = KvdServer(level="fp16")
+    eng = Engine(model_folder, srv.endpoint, extra={"kvd_async_saves": False})
+    try:
+        miss = eng.generate(PROMPT)[0]
+        hit = eng.generate(PROMPT)[0]
+    finally:
+        eng.close()
+        srv.stop()
+    assert miss["cached"] == 0 and hit["cached"] == (len(hit["prompt_ids"]) - 1) // BLOCK * BLOCK
+    assert hit["token_ids"] == miss["token_ids"]
+
+
+def test_a_prompt_prefilled_in_chunks_is_saved_whole(model_folder: Path) -> None:
+    """max_num_batched_tokens=128: the prompt's blocks are computed over several steps (scheduled_cached_reqs)
+    and each step saves the blocks it completed."""
+    srv = KvdServer(level="fp16")
+    eng = Engine(model_folder, srv.endpoint, llm={"max_num_batched_tokens": 128, "max_num_seqs": 4})
+    try:
+        miss = eng.generate(PROMPT)[0]
+        assert eng.ask({"flush": 30})["flushed"]
+        hit = eng.generate(PROMPT)[0]
+    finally:
+        eng.close()
+        srv.stop()
+    assert miss["cached"] == 0 and hit["cached"] == (len(hit["prompt_ids"]) - 1) // BLOCK * BLOCK
+    assert hit["token_ids"] == miss["token_ids"]

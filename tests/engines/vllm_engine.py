@@ -1,0 +1,72 @@
+"""A vLLM engine in a process of its own, driven by the tests one JSON line at a time (not a test module).
+
+Why a process: each test wants a fresh engine (a restart must find what the previous one stored), vLLM keeps
+its KV connector in a process-wide global, and a kvd server must be stoppable while the engine lives.
+
+    python vllm_engine.py '{"model": ..., "endpoint": ..., "dtype": "float32", ...}'
+
+then on stdin, one command per line, each answered by one JSON line on stdout (prefixed ``@@``):
+
+- ``{"generate": [text, ...], "max_tokens": n}`` -> ``{"outputs": [{"token_ids": [...], "cached": n}, ...]}``
+- ``{"flush": seconds}`` -> ``{"flushed": bool}``: waits for the connector's saves to reach kvd
+- ``{"counters": true}`` -> the worker connector's counters
+- ``{"quit": true}``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # scheduler and worker in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    extra = {"kvd_endpoint": args["endpoint"], "kvd_timeout_s": 1.0, "kvd_retry_after_s": 2.0,
+             **args.get("extra", {})}
+    kv = None
+    if args.get("endpoint"):
+        kv = KVTransferConfig(kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
+                              kv_role="kv_both", kv_load_failure_policy="recompute",
+                              kv_connector_extra_config=extra)
+    llm = LLM(model=args["model"], dtype=args.get("dtype", "float32"), enforce_eager=True, seed=0,
+              enable_prefix_caching=args.get("prefix_caching", False), max_model_len=args.get("max_len", 4096),
+              kv_transfer_config=kv, **args.get("llm", {}))
+    connector = None
+    if kv is not None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        connector = get_kv_transfer_group()
+    print("@@" + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if "generate" in cmd:
+            sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 16), ignore_eos=True)
+            t0 = time.perf_counter()
+            outs = llm.generate(cmd["generate"], sp, use_tqdm=False)
+            reply = {"seconds": time.perf_counter() - t0, "outputs": [
+                {"token_ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
+                 "prompt_ids": list(o.prompt_token_ids)} for o in outs]}
+        elif "flush" in cmd:
+            reply = {"flushed": connector.wait_saves(cmd["flush"]) if connector is not None else True}
+        elif "namespace" in cmd:
+            reply = {"namespace": connector.namespace if connector is not None else None}
+        elif "counters" in cmd:
+            reply = dict(connector.counters) if connector is not None else {}
+        elif "quit" in cmd:
+            print("@@" + json.dumps({"bye": True}), flush=True)
+            break
+        else:
+            reply = {"error": f"unknown command {cmd}"}
+        print("@@" + json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()
