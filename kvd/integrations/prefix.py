@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvd.errors import InvalidArgument, KvdError, UnknownNamespace, UnknownSequence
+from kvd.errors import InvalidArgument, KvdError, UnknownNamespace
 
 DIGEST_BYTES = 16  # 128-bit keys: a false hit by collision is out of reach at any realistic number of blocks
 KEY_VERSION = 1  # bump when the key derivation changes, so old stored blocks are simply never found
@@ -68,20 +68,21 @@ def block_keys(token_ids: Sequence[int], block_tokens: int, seed: bytes | None =
     return keys
 
 
-def stored_prefix(length: Callable[[str], int], keys: Sequence[str], block_tokens: int) -> int:
-    """How many leading blocks of ``keys`` are stored whole, asking ``length(key)`` (a kvd client's ``length``
-    with the namespace bound) block by block and stopping at the first miss. A block that is missing or shorter
-    than ``block_tokens`` (a save cut short) ends the prefix. Other kvd errors propagate: the caller decides
-    whether a kvd that does not answer means "no hit".
-
-    This is one round trip per block. A ``lookup`` operation answering for many keys at once (one round trip
-    per shard) is proposed in the issue-17 notes; when the protocol has it, only this function changes."""
+def stored_prefix(lengths: Callable[[list[str]], list[int | None]], keys: Sequence[str], block_tokens: int) -> int:
+    """How many leading blocks of ``keys`` are stored whole, from one ``lengths(keys)`` call (a kvd client's
+    :meth:`~kvd.client.Client.lengths` with the namespace bound: one round trip per shard, whatever the prefix
+    length). A block that is missing or shorter than ``block_tokens`` (a save cut short) ends the prefix. A
+    namespace kvd does not know (nothing stored yet, or a restarted kvd) is no prefix; other kvd errors
+    propagate: the caller decides whether a kvd that does not answer means "no hit"."""
+    if not keys:
+        return 0
+    try:
+        found = lengths(list(keys))
+    except UnknownNamespace:
+        return 0
     hits = 0
-    for key in keys:
-        try:
-            if length(key) != block_tokens:
-                break
-        except (UnknownSequence, UnknownNamespace):
+    for n in found:
+        if n != block_tokens:
             break
         hits += 1
     return hits

@@ -123,7 +123,7 @@ class KvdCache(DynamicCache):
         are in kvd afterwards."""
         ids = _ids(token_ids)[: self.get_seq_length()]
         keys = prefix.block_keys(ids, self.block_tokens)
-        have = prefix.stored_prefix(lambda key: self.client.length(self.namespace, key), keys, self.block_tokens)
+        have = prefix.stored_prefix(lambda ks: self.client.lengths(self.namespace, ks), keys, self.block_tokens)
         for i in range(have, len(keys)):
             k, v = self._arrays(i * self.block_tokens, (i + 1) * self.block_tokens)
             try:
@@ -151,7 +151,7 @@ class KvdCache(DynamicCache):
         ids = _ids(token_ids)
         keys = prefix.block_keys(ids, cache.block_tokens, max_blocks=(len(ids) - 1) // cache.block_tokens)
         ns = cache.namespace
-        hits = prefix.stored_prefix(lambda key: client.length(ns, key), keys, cache.block_tokens)
+        hits = prefix.stored_prefix(lambda ks: client.lengths(ns, ks), keys, cache.block_tokens)
         if hits:
             try:
                 got = client.get_many([(ns, key) for key in keys[:hits]], format=cache.format)

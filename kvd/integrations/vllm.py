@@ -209,7 +209,7 @@ class KvdConnector(KVConnectorBase_V1):
         self.counters["lookups"] += 1
         try:
             found = self._link.call(lambda c: prefix.stored_prefix(
-                lambda key: c.length(self.namespace, key), usable[first:], self._bs))
+                lambda keys: c.lengths(self.namespace, keys), usable[first:], self._bs))
         except (KvdDown, KvdError) as exc:
             self.counters["lookup_failures"] += 1
             log.debug("kvd lookup failed, recomputing: %s", exc)

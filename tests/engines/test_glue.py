@@ -54,19 +54,25 @@ def test_namespace_covers_model_dtype_layout_and_block_size() -> None:
     assert prefix.namespace_for("transformers", "/models/smollm2", **base) != ns
 
 
-def test_stored_prefix_stops_at_the_first_missing_or_short_block() -> None:
-    from kvd.errors import UnknownSequence
+def test_stored_prefix_stops_at_the_first_missing_or_short_block_in_one_lookup() -> None:
+    from kvd.errors import UnknownNamespace
 
-    lengths = {"a": 128, "b": 128, "c": 100, "d": 128}
+    stored = {"a": 128, "b": 128, "c": 100, "d": 128}
+    calls: list[list[str]] = []
 
-    def length(key: str) -> int:
-        if key not in lengths:
-            raise UnknownSequence(key)
-        return lengths[key]
+    def lengths(keys: list[str]) -> list[int | None]:
+        calls.append(keys)
+        return [stored.get(k) for k in keys]
 
-    assert prefix.stored_prefix(length, ["a", "b", "c", "d"], 128) == 2
-    assert prefix.stored_prefix(length, ["a", "x", "d"], 128) == 1
-    assert prefix.stored_prefix(length, [], 128) == 0
+    assert prefix.stored_prefix(lengths, ["a", "b", "c", "d"], 128) == 2
+    assert prefix.stored_prefix(lengths, ["a", "x", "d"], 128) == 1
+    assert prefix.stored_prefix(lengths, [], 128) == 0
+    assert calls == [["a", "b", "c", "d"], ["a", "x", "d"]]  # one lookup per prompt, none for no blocks
+
+    def unknown(keys: list[str]) -> list[int | None]:
+        raise UnknownNamespace("nothing stored yet")
+
+    assert prefix.stored_prefix(unknown, ["a"], 128) == 0
 
 
 def test_a_dead_kvd_costs_one_timeout_then_fails_fast() -> None:
