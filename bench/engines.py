@@ -1,8 +1,8 @@
 """What a user of an inference engine sees with kvd: time to first token (vLLM) and output quality (transformers)
 per precision level. SmolLM2-135M-Instruct, fp32, CPU; run in the engine venv (bin/engines-env).
 
-    /work/venv-engines/bin/python bench/engines.py ttft     [--tokens 1906] [--rounds 5] [--levels fp16,q8,q4]
-    /work/venv-engines/bin/python bench/engines.py quality  [--prefix 1024] [--cont 256] [--gen 128]
+    .venv-engines/bin/python bench/engines.py ttft     [--tokens 1906] [--rounds 5] [--levels fp16,q8,q4]
+    .venv-engines/bin/python bench/engines.py quality  [--prefix 1024] [--cont 256] [--gen 128]
 
 ttft: one vLLM engine in this process (vLLM's own prefix cache off) with KvdConnector, a kvd shard server in a
 child process whose level is switched between phases. "recompute": prompts whose first block is new each round
@@ -48,10 +48,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _shard_server_class() -> Any:
-    try:  # after the package restructure
-        from kvd.wire.server import ShardServer  # type: ignore[import-not-found]
-    except ImportError:
-        from kvd.server import ShardServer
+    from kvd.wire.server import ShardServer
+
     return ShardServer
 
 

