@@ -10,7 +10,6 @@ memory re-compression frees after a rise does not by itself step the level back 
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import signal
 import threading
@@ -28,20 +27,12 @@ from kvd.config import Config, load_config
 from kvd.errors import Conflict, KvdError, OutOfMemory, UnknownNamespace, UnknownSequence
 from kvd.wire.protocol import owner
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
 NS = "model"
 _names = itertools.count()
 
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    # address="local": a new instance even if `ray start` left a cluster address on this machine
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=96 << 20,
-             logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def make_config(shards: int, **extra: Any) -> Config:

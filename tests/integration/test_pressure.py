@@ -12,15 +12,12 @@ Small stores (1 MiB per shard), pages of 16 tokens and the default policy thresh
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-import ray
 
 from kvd import pages
 from kvd.client import Client
@@ -28,20 +25,13 @@ from kvd.cluster.deploy import Deployment, deploy, teardown, wait_until
 from kvd.config import load_config
 from kvd.errors import OutOfMemory
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
 SEQ_TOKENS = 4 * PAGE  # appended as one chunk of 3 pages, then decode steps
 NS = "model"
 _names = itertools.count()
 
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=96 << 20,
-             logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def started(shards: int, **extra: Any) -> tuple[Deployment, Any]:

@@ -4,7 +4,6 @@ processes at nice 15; a shard as started served 64 KiB puts ~10x slower on two b
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,15 +15,8 @@ from kvd.client import Client
 from kvd.cluster.deploy import Deployment, deploy, teardown
 from kvd.config import load_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=96 << 20,
-             logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
