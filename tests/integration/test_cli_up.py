@@ -236,8 +236,10 @@ def test_a_busy_client_port_is_reported_before_ray_starts() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_to_the_process_group_stops_quickly_and_leaves_nothing() -> None:
-    namespace = f"kvd-term-{os.getpid()}"
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_stops_quickly_and_leaves_nothing(sig: signal.Signals) -> None:
+    """SIGTERM to the group is what `timeout` and systemd send; SIGINT to the group is Ctrl-C."""
+    namespace = f"kvd-term-{os.getpid()}-{sig.name}"
     up = start_up("--port", "0", "--memory", "16MiB", "--namespace", namespace, "--set", "cluster.shard_cpus=0",
                   "--quiet")
     pid = up.proc.pid
@@ -246,12 +248,12 @@ def test_sigterm_to_the_process_group_stops_quickly_and_leaves_nothing() -> None
         tree = process_tree(pid)
         assert {"gcs_server", "raylet"} <= set(tree.values()), tree
         t0 = time.monotonic()
-        os.killpg(pid, signal.SIGTERM)  # what `timeout` and systemd do: the whole group at once
+        os.killpg(pid, sig)  # the whole group at once
         code = up.proc.wait(timeout=60)
         took = time.monotonic() - t0
         stderr = "".join(up.stderr)
         assert code == 0, stderr
-        assert took < 15.0, f"kvd up took {took:.1f} s to stop after SIGTERM to its group: {stderr}"
+        assert took < 15.0, f"kvd up took {took:.1f} s to stop after {sig.name} to its group: {stderr}"
         assert "Failed to connect to GCS" not in stderr and "stopped 3 actors" in stderr, stderr
         deadline = time.monotonic() + 10
         while (left := {p: n for p, n in process_tree(pid).items() if p in tree}) and time.monotonic() < deadline:
