@@ -509,14 +509,20 @@ def run_file_path(namespace: str) -> Path:
     return Path(tempfile.gettempdir()) / f"kvd-{uid}" / f"{namespace}.json"
 
 
-def write_run_file(namespace: str, info: Mapping[str, Any]) -> Path:
-    """Write the run note of ``namespace`` atomically (0600); returns its path."""
+def _staged_run_file(namespace: str, info: Mapping[str, Any]) -> tuple[Path, Path]:
+    """(the run note's path, a complete private copy of ``info`` beside it, 0600) to move or link into place."""
     path = run_file_path(namespace)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump(dict(info), fh)
+    return path, tmp
+
+
+def write_run_file(namespace: str, info: Mapping[str, Any]) -> Path:
+    """Write the run note of ``namespace`` atomically (0600); returns its path."""
+    path, tmp = _staged_run_file(namespace, info)
     os.replace(tmp, path)
     return path
 
@@ -525,12 +531,7 @@ def claim_run_file(namespace: str, info: Mapping[str, Any]) -> dict[str, Any] | 
     """Create the run note of ``namespace`` only if there is none: None when it is now ours, else the note that
     is already there (read as :func:`read_run_file` does; ``{}`` if unreadable). Atomic: of two ``kvd up`` of one
     namespace, exactly one gets the note (the complete file is linked into place, which fails if it exists)."""
-    path = run_file_path(namespace)
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(dict(info), fh)
+    path, tmp = _staged_run_file(namespace, info)
     try:
         os.link(tmp, path)
     except FileExistsError:

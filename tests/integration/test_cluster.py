@@ -23,7 +23,6 @@ import ray
 
 from kvd.client import Client
 from kvd.cluster.deploy import Deployment, deploy, teardown, wait_until
-from kvd.config import Config, load_config
 from kvd.errors import Conflict, KvdError, OutOfMemory, UnknownNamespace, UnknownSequence
 from kvd.wire.protocol import owner
 
@@ -31,35 +30,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
 NS = "model"
-_names = itertools.count()
 
-
-
-def make_config(shards: int, **extra: Any) -> Config:
-    overrides = {
-        "cluster.namespace": f"kvd-test-{os.getpid()}-{next(_names)}",
-        "cluster.port": 0,
-        "cluster.shards": shards,
-        "cluster.memory_bytes": f"{shards}MiB",
-        "cluster.shard_cpus": 0,
-        "cluster.report_interval_s": 0.1,
-        "cluster.ray_timeout_s": 10.0,
-        "store.page_tokens": PAGE,
-        "store.sink_tokens": 0,
-        "store.window_tokens": 0,
-        "store.eviction": "none",
-        "policy.ewma_alpha": 1.0,
-        "policy.hysteresis": 0.5,
-        "store.warm_cache_bytes": "3MiB",
-        **extra,
-    }
-    return load_config(env={}, overrides=overrides)
 
 
 @pytest.fixture
-def cluster(request: pytest.FixtureRequest) -> Iterator[Deployment]:
+def cluster(request: pytest.FixtureRequest, small_config: Any) -> Iterator[Deployment]:
     shards = getattr(request, "param", 3)
-    config = make_config(shards)
+    # a hysteresis of 0.5 keeps these tests' levels where they put them, whatever re-compression frees
+    config = small_config("kvd-test", shards, **{"store.eviction": "none", "policy.ewma_alpha": 1.0,
+                                                 "policy.hysteresis": 0.5, "store.warm_cache_bytes": "3MiB"})
     deployment = deploy(config, ready_timeout_s=60)
     yield deployment
     teardown(config.cluster.namespace, timeout_s=10)

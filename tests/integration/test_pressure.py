@@ -12,7 +12,6 @@ Small stores (1 MiB per shard), pages of 16 tokens and the default policy thresh
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from typing import Any
 
@@ -22,7 +21,6 @@ import pytest
 from kvd import pages
 from kvd.client import Client
 from kvd.cluster.deploy import Deployment, deploy, teardown, wait_until
-from kvd.config import load_config
 from kvd.errors import OutOfMemory
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
@@ -30,26 +28,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
 SEQ_TOKENS = 4 * PAGE  # appended as one chunk of 3 pages, then decode steps
 NS = "model"
-_names = itertools.count()
 
 
 
-def started(shards: int, **extra: Any) -> tuple[Deployment, Any]:
-    overrides = {
-        "cluster.namespace": f"kvd-pressure-{os.getpid()}-{next(_names)}",
-        "cluster.port": 0,
-        "cluster.shards": shards,
-        "cluster.memory_bytes": f"{shards}MiB",
-        "cluster.shard_cpus": 0,
-        "cluster.report_interval_s": 0.1,
-        "cluster.ray_timeout_s": 10.0,
-        "store.page_tokens": PAGE,
-        "store.sink_tokens": 0,
-        "store.window_tokens": 0,
-        "store.warm_cache_bytes": "1MiB",
-        **extra,
-    }
-    config = load_config(env={}, overrides=overrides)
+def started(small_config: Any, shards: int, **extra: Any) -> tuple[Deployment, Any]:
+    config = small_config("kvd-pressure", shards, **{"store.warm_cache_bytes": "1MiB", **extra})
     return deploy(config, ready_timeout_s=60), config
 
 
@@ -101,11 +84,12 @@ def fill_until_forgetting(client: Client, limit: int = 2000) -> tuple[str, dict[
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("eviction", ["lru", "none"])
-def test_a_fast_fill_is_compressed_to_q4_before_anything_is_forgotten(eviction: str) -> None:
+def test_a_fast_fill_is_compressed_to_q4_before_anything_is_forgotten(eviction: str, small_config: Any) -> None:
     """Scenarios 1 and 2: a fill much faster than the coordinator can react (reports every 10 s) and one shard
     full while the others are not. No shard evicts or refuses before its own pages are all at q4; by then it
     holds well over twice what fp16 alone would."""
-    deployment, config = started(3, **{"store.eviction": eviction, "cluster.report_interval_s": 10.0})
+    reports_every_10_s = {"cluster.report_interval_s": 10.0}
+    deployment, config = started(small_config, 3, **{"store.eviction": eviction, **reports_every_10_s})
     try:
         with Client(deployment.endpoint, timeout_s=10.0) as client:
             client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
@@ -128,11 +112,11 @@ def test_a_fast_fill_is_compressed_to_q4_before_anything_is_forgotten(eviction: 
 
 
 @pytest.mark.timeout(180)
-def test_the_cluster_follows_a_full_shard_and_levels_hold_after_compressing() -> None:
+def test_the_cluster_follows_a_full_shard_and_levels_hold_after_compressing(small_config: Any) -> None:
     """Scenario 1 on the cluster's side and scenario 3: the fullest shard's pressure moves the cluster up
     (default pressure mode), the memory re-compression frees does not step it back down (the data re-counted
     at fp16 would not fit), and one real drop in demand steps it down once."""
-    deployment, config = started(2, **{"store.eviction": "none", "policy.ewma_alpha": 0.5})
+    deployment, config = started(small_config, 2, **{"store.eviction": "none", "policy.ewma_alpha": 0.5})
     try:
         with Client(deployment.endpoint, timeout_s=10.0) as client:
             client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
