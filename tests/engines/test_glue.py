@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import KvdServer, missing_engines  # isort: skip  (tests/engines/conftest.py)
+from engine_helpers import KvdServer, missing_engines  # isort: skip  (tests/engines/engine_helpers.py)
 from kvd.integrations import prefix
 
 pytestmark = pytest.mark.engines

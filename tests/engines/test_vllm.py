@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import KvdServer, missing_engines  # isort: skip  (tests/engines/conftest.py)
+from engine_helpers import KvdServer, missing_engines  # isort: skip  (tests/engines/engine_helpers.py)
 
 _reason = missing_engines("torch", "vllm", "transformers")
 if _reason:
