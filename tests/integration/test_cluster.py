@@ -118,18 +118,18 @@ def test_sequences_spread_and_pressure_moves_every_shard_to_q8_then_q4_and_back(
         assert after_q8 < 0.6, after_q8
         assert all(set(s["bytes_by_level"]) == {"q8"} for s in all_stats(client))
 
-        # Fill again past 0.95: q4 everywhere, a newer epoch, and used bytes fall again.
+        # Fill again past 0.95: q4 everywhere under a newer epoch, every page re-encoded. A shard that filled up
+        # before the order came compressed itself to q4 already (kvd.store.compact), so used bytes may stay high.
         fill(client, "b", 0.96)
         wait_until(lambda: levels_converged(client, "q4")[0], timeout_s=30, what="every shard at q4")
         (q4_epoch,) = levels_converged(client, "q4")[1]
         assert q4_epoch > q8_epoch
         wait_until(lambda: all(s["compaction_backlog_bytes"] == 0 for s in all_stats(client)), timeout_s=30,
                    what="q4 re-compression")
-        after_q4 = pressure(client)
-        assert after_q4 < 0.8, after_q4
+        assert all(set(s["bytes_by_level"]) == {"q4"} for s in all_stats(client))
 
-        # Pressure now sits below 0.95 but inside the hysteresis band (above 0.45): the level holds.
-        assert 0.45 < after_q4 < 0.95
+        # Pressure now sits inside q4's hysteresis band or above it (above 0.45): the level holds.
+        assert pressure(client) > 0.45
         samples = cluster.status()["samples"]
         wait_until(lambda: cluster.status()["samples"] >= samples + 5, timeout_s=30, what="five more samples")
         assert levels_converged(client, "q4") == (True, {q4_epoch})
