@@ -39,8 +39,8 @@ and shape, so engines that differ in any of them never share a false hit.
 
 Also: with vLLM's own prefix cache on, only the blocks it lacks are looked up and loaded; requests with
 multimodal inputs or prompt embeddings are neither looked up nor saved (their KV depends on more than the token
-ids). Known cost: kvd protects the first ``sink_tokens`` of every *sequence* at fp16, and each block is a
-sequence, so under the default protection the first page of every block stays fp16 (notes of issue 17).
+ids). Each block is appended with its ``position`` in the prompt (protocol 1.3), so only the prompt's first
+block keeps kvd's sink page at fp16; the others are stored at the level in force.
 
 Only ``kvd.*`` public names, torch and vLLM are imported; ``import kvd`` itself never imports this module.
 """
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Block = tuple[int, str]  # (engine block id, kvd sequence id)
+SaveBlock = tuple[int, str, int]  # (engine block id, kvd sequence id, the block's first token in the prompt)
 
 
 @dataclass
@@ -88,7 +89,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: blocks to load before the forward, blocks to save after it."""
 
     loads: list[tuple[str, list[Block]]] = field(default_factory=list)
-    saves: list[tuple[str, list[Block]]] = field(default_factory=list)
+    saves: list[tuple[str, list[SaveBlock]]] = field(default_factory=list)
 
 
 @dataclass
@@ -255,7 +256,8 @@ class KvdConnector(KVConnectorBase_V1):
     def _plan_saves(self, req_id: str, st: _Req, meta: KvdConnectorMetadata) -> None:
         full = min(len(st.keys), st.computed // self._bs, len(st.block_ids))
         if full > st.stored:
-            meta.saves.append((req_id, [(st.block_ids[i], st.keys[i]) for i in range(st.stored, full)]))
+            blocks = [(st.block_ids[i], st.keys[i], i * self._bs) for i in range(st.stored, full)]
+            meta.saves.append((req_id, blocks))
             st.stored = full
             st.saving = True
 
@@ -376,7 +378,7 @@ class _Saver:
 
     def __init__(self, link: KvdLink, namespace: str, budget: int, counters: dict[str, int]) -> None:
         self._link, self._ns, self._budget, self._counters = link, namespace, budget, counters
-        self._q: queue.Queue[tuple[str, str, np.ndarray, np.ndarray] | None] = queue.Queue()
+        self._q: queue.Queue[tuple[str, str, int, np.ndarray, np.ndarray] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._bytes = 0
         self._pending: dict[str, int] = {}  # request -> jobs not yet done
@@ -389,7 +391,7 @@ class _Saver:
         self._thread = threading.Thread(target=self._run, name="kvd-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, req_id: str, blocks: Sequence[Block], io: BlockIO) -> None:
+    def submit(self, req_id: str, blocks: Sequence[SaveBlock], io: BlockIO) -> None:
         with self._lock:
             self._seen.add(req_id)
         if self._link.down:  # kvd failed recently: do not copy what cannot be stored
@@ -405,17 +407,18 @@ class _Saver:
                         len(blocks) - len(take))
         if not take:
             return
-        k, v = io.read([b for b, _ in take])  # copy out now: the engine may reuse the blocks after this step
+        k, v = io.read([b for b, _, _ in take])  # copy out now: the engine may reuse the blocks after this step
         with self._lock:
             self._bytes += block_bytes * len(take)
             self._pending[req_id] = self._pending.get(req_id, 0) + len(take)
-        for i, (_, key) in enumerate(take):
-            self._q.put((req_id, key, k[i], v[i]))
+        for i, (_, key, position) in enumerate(take):
+            self._q.put((req_id, key, position, k[i], v[i]))
 
-    def _save(self, job: tuple[str, str, np.ndarray, np.ndarray]) -> None:
-        req_id, key, k, v = job
+    def _save(self, job: tuple[str, str, int, np.ndarray, np.ndarray]) -> None:
+        req_id, key, position, k, v = job
         try:
-            self._link.call(lambda c: c.append(self._ns, key, k, v, offset=0))
+            # position: only the prompt's first block holds the attention sinks that kvd keeps at fp16
+            self._link.call(lambda c: c.append(self._ns, key, k, v, offset=0, position=position))
             self._counters["saved_blocks"] += 1
         except Conflict:
             self._counters["save_existing_blocks"] += 1  # another request or engine stored it first

@@ -149,12 +149,14 @@ class AppendRequest(_Message):
     Arrays are kept as given (a C-contiguous little-endian array is never copied). ``dtype`` is inferred;
     pass it only to send integer arrays holding bfloat16 bit patterns. ``offset``: if set, the server applies
     the append only when the sequence's current length equals it (safe pipelining); else InvalidArgument.
+    ``position`` (protocol 1.3): where the sequence's token 0 sits in its prompt (Store.append); it is on the
+    wire only when set, so a request without it is the same bytes as in 1.2.
     """
 
     OP = "append"
     FIELDS = (*_NS_SEQ, ("offset", check_opt_position))
     OPTIONAL = ("offset",)
-    EXTRA_KEYS = ("dtype", "shape")
+    EXTRA_KEYS = ("dtype", "shape", "position")
     FRAMES = 2
     namespace: str
     seq_id: SeqId
@@ -162,20 +164,24 @@ class AppendRequest(_Message):
     values: Any
     offset: int | None = None
     dtype: str | None = None
+    position: int | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
         if not wire:  # a decoded request's arrays were built from the frames with the declared dtype and shape
             check_tensors(self, min_dims=(1, 1, 1, 1), declared=self.dtype)
+            object.__setattr__(self, "position", check_opt_position("position", self.position, InvalidArgument))
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return (
-            {"dtype": self.dtype, "shape": list(self.keys.shape)},
-            [tensor_frame(self.keys), tensor_frame(self.values)],
-        )
+        extra: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.keys.shape)}
+        if self.position is not None:
+            extra["position"] = self.position
+        return extra, [tensor_frame(self.keys), tensor_frame(self.values)]
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        return tensors_from_wire(header, frames, min_dims=(1, 1, 1, 1), dtypes=tuple(DTYPES))
+        out = tensors_from_wire(header, frames, min_dims=(1, 1, 1, 1), dtypes=tuple(DTYPES))
+        out["position"] = check_opt_position("position", header.get("position"), ProtocolError)
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
