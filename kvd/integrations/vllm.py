@@ -314,9 +314,7 @@ class KvdConnector(KVConnectorBase_V1):
             good += 1
         t1 = time.perf_counter()
         if good:
-            k = torch.from_numpy(np.stack([got[i][0] for i in range(good)]))
-            v = torch.from_numpy(np.stack([got[i][1] for i in range(good)]))
-            self._io.write([b for b, _ in blocks[:good]], k, v)
+            self._io.write([b for b, _ in blocks[:good]], [r[0] for r in got[:good]], [r[1] for r in got[:good]])
             self.counters["loaded_blocks"] += good
         self.counters["load_fetch_us"] += int((t1 - t0) * 1e6)  # where a hit's time goes (bench/engines.py)
         self.counters["load_write_us"] += int((time.perf_counter() - t1) * 1e6)
