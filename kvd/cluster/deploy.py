@@ -19,14 +19,17 @@ __all__ = ["Deployment", "actor_class", "deploy", "find", "shard_memory_request"
 
 log = logging.getLogger("kvd.deploy")
 
-# A shard process holds its store (capacity, exact) plus Python, Ray worker and numpy: reserve both.
+# A shard process holds its store (capacity, exact), the warm buffers of large gets (store.warm_cache_bytes,
+# outside the capacity) and Python, the Ray worker and numpy: reserve all of it.
 _SHARD_MEMORY_OVERHEAD = 1.05
 _SHARD_PROCESS_BYTES = 256 << 20
 
 
 def shard_memory_request(config: Config) -> int:
-    """Bytes of Ray's ``memory`` resource each shard asks for (its store plus the process around it)."""
-    return int(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD) + _SHARD_PROCESS_BYTES
+    """Bytes of Ray's ``memory`` resource each shard asks for: its store + 5%, its warm cache and 256 MiB for the
+    process around them. A node must offer Ray this much per shard it is to hold (cluster/README.md)."""
+    return (int(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD) + config.store.warm_cache_bytes
+            + _SHARD_PROCESS_BYTES)
 
 
 def actor_class(kind: str) -> Any:
@@ -132,7 +135,7 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
             lifetime="detached",
             num_cpus=cluster.shard_cpus,
             # Ray's memory resource keeps the scheduler from packing more shards on a node than fit.
-            memory=int(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD) + _SHARD_PROCESS_BYTES,
+            memory=shard_memory_request(config),
             scheduling_strategy="SPREAD",
         ).remote(sid, config, host=host)
     try:
@@ -146,7 +149,7 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
                 raise Timeout(
                     f"shard {sid} did not start within {ready_timeout_s:.0f} s: not enough CPU or memory "
                     f"resources in the Ray cluster? (each shard asks for {cluster.shard_cpus} CPU and "
-                    f"{(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD + _SHARD_PROCESS_BYTES) / 2**30:.2f} "
+                    f"{shard_memory_request(config) / 2**30:.2f} "
                     "GiB of Ray memory)"
                 ) from None
         wait_until(
