@@ -292,7 +292,7 @@ def _claim_namespace(namespace: str, detach: bool) -> None:
     raise ConfigError(f"cannot take the run note {run_file_path(namespace)}: another `kvd up` is starting")
 
 
-def _preflight(config: Config) -> None:
+def _preflight(config: Config, *, detach: bool = False) -> None:
     """What can be checked before Ray starts (Ray itself takes seconds to start and minutes to give up): the
     memory asked for against this machine's, and whether the client and metrics ports are free."""
     import socket
@@ -309,7 +309,7 @@ def _preflight(config: Config) -> None:
     if not cluster.address and cluster.port:
         checks.append(("client port (--port)", "127.0.0.1" if cluster.host == "auto" else cluster.host,
                        cluster.port))
-    if cluster.metrics_port:
+    if cluster.metrics_port and not detach:  # a detached kvd serves its metrics on the Ray head, not here
         checks.append(("metrics port (--metrics-port)", "127.0.0.1", cluster.metrics_port))
     for what, host, port in checks:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -345,7 +345,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ConfigError("--detach needs --address (an embedded Ray lives only as long as `kvd up`)")
     import ray
 
-    from kvd.cluster.deploy import deploy, teardown
+    from kvd.cluster.deploy import deploy, deploy_metrics, teardown
+    from kvd.cluster.naming import metrics_bind_host, resolve_host
 
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
@@ -355,7 +356,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         _claim_namespace(cluster.namespace, bool(args.detach))
         claimed = True
-        _preflight(config)
+        _preflight(config, detach=bool(args.detach))
         host = _ray_init(config)
         # Ray's core installs a failure-signal handler that dumps a stack on SIGTERM: take the signals back.
         signal.signal(signal.SIGTERM, _raise_stop)
@@ -366,14 +367,28 @@ def cmd_up(args: argparse.Namespace) -> int:
         _say(f"kvd {__version__}: starting {cluster.shards} shards x {fmt_bytes(config.shard_capacity_bytes)} "
              f"on {where} (namespace {cluster.namespace!r}) ...")
         deployment = deploy(config, host=host)
+        metrics_url = None
+        if cluster.metrics_port and args.detach:
+            # nothing of this process stays to serve them: an actor on the Ray head does, until `kvd down`
+            try:
+                metrics_url = deploy_metrics(cluster.namespace, cluster.metrics_port, host=host,
+                                             timeout_s=cluster.ray_timeout_s * 3)
+            except BaseException:
+                teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
+                deployment = None
+                raise
+        elif cluster.metrics_port:
+            bind = resolve_host(host)
+            metrics = StatusMetrics(cluster.metrics_port, metrics_bind_host(bind))
+            metrics_url = f"http://{bind}:{cluster.metrics_port}/metrics"
         write_run_file(cluster.namespace, {
             "pid": os.getpid(), "endpoint": deployment.endpoint, "detached": bool(args.detach),
             "ray_address": ray.get_runtime_context().gcs_address, "namespace": cluster.namespace,
+            "metrics": metrics_url,
         })
         print(f"kvd endpoint: {deployment.endpoint}", flush=True)
-        if cluster.metrics_port:
-            metrics = StatusMetrics(cluster.metrics_port, "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
-            _say(f"metrics: http://{'127.0.0.1' if host == '127.0.0.1' else host}:{cluster.metrics_port}/metrics")
+        if metrics_url:
+            _say(f"metrics: {metrics_url}" + (" (served on the Ray head until `kvd down`)" if args.detach else ""))
         if args.detach:
             _say(f"detached; stop it with `kvd down --address {cluster.address}`")
             return _EXIT_OK
@@ -674,13 +689,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--memory", help=f"total KV memory over all shards, e.g. 8GiB (default here: {memory})")
     up.add_argument("--port", type=int, help=f"coordinator's client port (default {DEFAULT_PORT}; 0 = any)")
     up.add_argument("--host", help='bind address (default "auto": 127.0.0.1 embedded, the node IP on a cluster)')
-    up.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0 = off)")
+    up.add_argument("--metrics-port", type=int,
+                    help="serve Prometheus metrics on this port (default 0 = off): from `kvd up` itself, or with "
+                    "--detach from an actor on the Ray head until `kvd down`")
     up.add_argument("--report-interval", type=float, help="seconds between shard reports (default 0.5)")
     up.add_argument("--pressure-mode", choices=["sum", "max"], help="cluster pressure: total or fullest shard")
     up.add_argument("--profile", choices=["default", "fp16_only", "aggressive"], help="policy profile")
     up.add_argument("--eviction", choices=["lru", "none"], help="when full: evict LRU sequences or refuse")
     up.add_argument("--detach", action="store_true",
-                    help="with --address: leave kvd running on the cluster and exit (stop it with `kvd down`)")
+                    help="with --address: leave kvd running on the cluster and exit (stop it with `kvd down`); "
+                    "metrics (--metrics-port) are then served on the Ray head")
     up.add_argument("--quiet", action="store_true", help="no status output (only the endpoint line)")
     up.set_defaults(func=cmd_up)
 

@@ -205,7 +205,10 @@ class ClusterSettings:
     shard_ports: str = _setting(
         "", port_range, 'ports shards bind, e.g. "7500-7599" for a firewall ("" = any free port)'
     )
-    metrics_port: int = _setting(0, integer_in(0, 65535), "Prometheus metrics port of `kvd up` (0 = off)")
+    metrics_port: int = _setting(
+        0, integer_in(0, 65535), "Prometheus metrics port of `kvd up` (0 = off); with --detach served on the Ray "
+        "head"
+    )
     shard_cpus: float = _setting(1.0, number_in(0.0, 1024.0), "logical CPUs Ray reserves per shard (0 = none)")
     num_cpus: int | None = _setting(
         None,
