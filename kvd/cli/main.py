@@ -688,7 +688,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--shards", type=int, help="number of shards (default 2)")
     up.add_argument("--memory", help=f"total KV memory over all shards, e.g. 8GiB (default here: {memory})")
     up.add_argument("--port", type=int, help=f"coordinator's client port (default {DEFAULT_PORT}; 0 = any)")
-    up.add_argument("--host", help='bind address (default "auto": 127.0.0.1 embedded, the node IP on a cluster)')
+    up.add_argument("--host",
+                    help='bind address of every actor (default "auto": 127.0.0.1 embedded; on a cluster each '
+                    "node's IP as Ray has it, i.e. its `ray start --node-ip-address` if given, but Ray replaces "
+                    "a loopback one by the outward IP: see cluster/README.md)")
     up.add_argument("--metrics-port", type=int,
                     help="serve Prometheus metrics on this port (default 0 = off): from `kvd up` itself, or with "
                     "--detach from an actor on the Ray head until `kvd down`")
