@@ -232,11 +232,21 @@ def test_every_launcher_ray_start_has_token_mode_and_every_node_the_token(launch
 # ------------------------------------------------------------------------------------------- liveness
 
 
-def test_the_head_pod_has_a_liveness_probe_that_pings_kvd(kuberay: dict[str, Any]) -> None:
+def test_the_head_pod_has_a_liveness_probe_that_pings_kvd(kuberay: dict[str, Any], tmp_path: Path) -> None:
+    from kvd.cli.main import _load, build_parser
+
     head = _container(_groups(kuberay)["head"])
     probe = head.get("livenessProbe")
     assert probe, "the head pod has no livenessProbe"
     command = probe["exec"]["command"]
     assert command[:2] == ["kvd", "ping"], command
+    # the probe's command line is one `kvd` takes, with the settings `kvd up` runs with (the ConfigMap's file)
+    mount = {m["name"]: m["mountPath"] for m in head["volumeMounts"]}["kvd-config"]
+    (tmp_path / "kvd.toml").write_text(kuberay["ConfigMap"]["data"]["kvd.toml"])
+    argv = [a.replace(f"{mount}/kvd.toml", str(tmp_path / "kvd.toml")) for a in command[1:]]
+    assert argv != command[1:], f"the probe does not read {mount}/kvd.toml: {command}"
+    args = build_parser().parse_args(argv)
+    assert args.func.__name__ == "cmd_ping" and args.address is None  # the endpoint `kvd up` noted in the pod
+    _load(args)
     # patient enough for a coordinator restart (Ray brings it back on the head within seconds)
     assert probe.get("failureThreshold", 3) * probe.get("periodSeconds", 10) >= 30, probe
