@@ -8,6 +8,7 @@ kvd's own loader, so a key kvd does not know fails here as it would fail `kvd up
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -232,8 +233,12 @@ def test_every_launcher_ray_start_has_token_mode_and_every_node_the_token(launch
 # ------------------------------------------------------------------------------------------- liveness
 
 
-def test_the_head_pod_has_a_liveness_probe_that_pings_kvd(kuberay: dict[str, Any], tmp_path: Path) -> None:
+def test_the_head_pod_has_a_liveness_probe_that_pings_kvd(kuberay: dict[str, Any], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from kvd.cli.main import _load, build_parser
+
+    for name in [n for n in os.environ if n.startswith("KVD_")]:
+        monkeypatch.delenv(name)  # the pod's environment has none of this runner's
 
     head = _container(_groups(kuberay)["head"])
     probe = head.get("livenessProbe")
