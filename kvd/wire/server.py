@@ -448,7 +448,7 @@ class _RouterServer:
             log.debug("%s: reply dropped (%s)", self._NAME, exc)
             return
         self._metrics.bytes_out += send_frames(sock, frames)
-        if lens is not None:
+        if lens is not None and guard is not None:
             guard.gave(fd, lens)
 
     def _execute(self, req: Any) -> Any:  # pragma: no cover - abstract

@@ -265,7 +265,7 @@ class ConnectionGuard:
                 parts = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            event, fd = struct.unpack("=hi", parts[0][:6])
+            event, fd = struct.unpack("=Hi", parts[0][:6])
             if event == zmq.EVENT_ACCEPTED:
                 self._forget(fd)
                 self._accept(fd)
