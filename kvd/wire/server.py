@@ -281,7 +281,7 @@ class _RouterServer:
             sock.close(0)  # an open socket would make ctx.term() wait forever
             raise
         if not self._guard.start():
-            self._guard = None
+            self._close_guard(sock)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
         self._endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
         return sock
@@ -325,11 +325,10 @@ class _RouterServer:
         guard, self._guard = self._guard, None
         if guard is None:
             return
-        guard.stop()  # closes the monitor's socket (started) ...
-        if guard._thread is None:
-            guard._monitor.close(0)  # ... or not started
+        # the monitor goes first: libzmq's I/O thread sends its events blocking, so the guard reads until then
         with contextlib.suppress(zmq.ZMQError):
             sock.disable_monitor()
+        guard.stop()
 
     # -------------------------------------------------------------------------------------------- serving
 

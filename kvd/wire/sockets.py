@@ -227,19 +227,24 @@ class ConnectionGuard:
     # ------------------------------------------------------------------------------------------- lifecycle
 
     def start(self) -> bool:
+        """Start the guard's thread; False (nothing started) where the kernel's TCP counters are not available.
+        Then the caller must stop the socket's monitor first (``disable_monitor``), then :meth:`stop`: libzmq's
+        I/O thread sends monitor events blocking, so they must be read for as long as the monitor is on."""
         if not hasattr(socket, "TCP_INFO"):
             log.warning("%s: no TCP_INFO on this platform: what peers make ZeroMQ buffer is not bounded",
                         self._name)
-            self._monitor.close(0)
             return False
         self._thread = threading.Thread(target=self._run, name=f"{self._name}-guard", daemon=True)
         self._thread.start()
         return True
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close the monitor's socket. Call it after the socket's ``disable_monitor``."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
+        else:
+            self._monitor.close(0)
 
     # ------------------------------------------------------------------------------------------ the guard
 
@@ -247,12 +252,14 @@ class ConnectionGuard:
         monitor = self._monitor
         try:
             while not self._stop.is_set():
-                if monitor.poll(int(self._interval * 1000)):
-                    self._events()
                 try:
+                    # the events first, always: libzmq's I/O thread blocks while they are not read
+                    if monitor.poll(int(self._interval * 1000)):
+                        self._events()
                     self._look(time.monotonic())
                 except Exception:  # noqa: BLE001 - the guard must not die on one odd connection
                     log.exception("%s: connection guard error, guarding on", self._name)
+                    time.sleep(self._interval)
         finally:
             for conn in self._conns.values():
                 conn.sock.close()

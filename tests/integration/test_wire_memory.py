@@ -126,3 +126,20 @@ def test_oversize_and_slow_peers_at_once_pin_a_bounded_amount_and_it_is_given_ba
         ctx.destroy(linger=0)
         server.stop()
 
+
+
+@pytest.mark.timeout(60)
+def test_a_server_serves_where_the_guard_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel's TCP counters are missing the guard does not start; the socket's monitor must then be
+    switched off before its reader goes (libzmq's I/O thread would block on the next event: no connection)."""
+    import socket
+
+    from kvd.store import Store
+    from kvd.wire.server import ShardServer
+
+    monkeypatch.delattr(socket, "TCP_INFO")
+    with ShardServer(Store(16 * MIB), shard_id="unguarded", recycle_memory=False) as server:
+        for _ in range(3):  # several connections, each an event the monitor would have sent
+            with Client(server.endpoint, timeout_s=5) as c:
+                assert set(c.ping()) == {"unguarded"}
+        assert server.metrics()["peers_cut"] == 0
