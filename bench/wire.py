@@ -375,14 +375,17 @@ class LMCache:
         if not wait_port(self.port, self.proc, 120):
             self.stop()
             raise RuntimeError("lmcache_server did not start")
-        self.sock = socket.create_connection(("127.0.0.1", self.port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.bufs: dict[int, bytearray] = {}
         self.fmt = self.BINARY_FMT  # MemoryFormat.BINARY (4): raw bytes of shape [n, 0, 0, 0]
-        self._put(self.key(64), b"x" * 64)
-        if not self._get(self.key(64), 64):
-            self.stop()
-            raise RuntimeError("lmcache_server did not return what was put")
+        try:
+            self.sock = socket.create_connection(("127.0.0.1", self.port))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._put(self.key(64), b"x" * 64)
+            if not self._get(self.key(64), 64):
+                raise RuntimeError("lmcache_server did not return what was put")
+        except BaseException:
+            self.stop()  # the server process must not outlive a failed start
+            raise
 
     def _header(self, cmd: int, key: bytes, length: int) -> bytes:
         shape = (length, 0, 0, 0)
@@ -447,7 +450,7 @@ class LMCache:
         return put, get
 
     def stop(self) -> None:
-        with contextlib.suppress(Exception):
+        if hasattr(self, "sock"):
             self.sock.close()
         self.proc.terminate()
         try:
@@ -521,20 +524,24 @@ class Mooncake:
         if not wait_port(port, self.procs[0], 60):
             self.stop()
             raise RuntimeError(f"mooncake_master did not start (log: {self.dir / 'mooncake.log'})")
-        node_port = free_port()
-        self.procs.append(subprocess.Popen(
-            [str(bindir / "mooncake_client"), "-host", "127.0.0.1", "-port", str(node_port),
-             "-master_server_address", f"127.0.0.1:{port}", "-metadata_server", "P2PHANDSHAKE", "-protocol", "tcp",
-             "-global_segment_size", pool], stdout=self.log, stderr=self.log))
-        time.sleep(3.0)  # the storage node mounts its segment with the master (no readiness signal)
-        cfg = {"host": "127.0.0.1", "master": f"127.0.0.1:{port}", "buffer": 1 << 30}
-        self.worker = subprocess.Popen([str(py), "-c", MOONCAKE_WORKER, json.dumps(cfg)], stdin=subprocess.PIPE,
-                                       stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
-        self.procs.append(self.worker)
-        reply = self._read()
-        if reply.get("setup") != 0:
-            self.stop()
-            raise RuntimeError(f"MooncakeDistributedStore.setup returned {reply} (log: {self.dir})")
+        try:
+            node_port = free_port()
+            node = [str(bindir / "mooncake_client"), "-host", "127.0.0.1", "-port", str(node_port),
+                    "-master_server_address", f"127.0.0.1:{port}", "-metadata_server", "P2PHANDSHAKE",
+                    "-protocol", "tcp", "-global_segment_size", pool]
+            self.procs.append(subprocess.Popen(node, stdout=self.log, stderr=self.log))
+            time.sleep(3.0)  # the storage node mounts its segment with the master (no readiness signal)
+            cfg = {"host": "127.0.0.1", "master": f"127.0.0.1:{port}", "buffer": 1 << 30}
+            self.worker = subprocess.Popen([str(py), "-c", MOONCAKE_WORKER, json.dumps(cfg)],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                           text=True, bufsize=1)
+            self.procs.append(self.worker)
+            reply = self._read()
+            if reply.get("setup") != 0:
+                raise RuntimeError(f"MooncakeDistributedStore.setup returned {reply} (log: {self.dir})")
+        except BaseException:
+            self.stop()  # no process of a failed start may outlive it
+            raise
 
     def _read(self) -> dict[str, Any]:
         assert self.worker.stdout is not None
