@@ -11,6 +11,9 @@ child process whose level is switched between phases. "recompute": prompts whose
 TTFT = wall time of ``generate(max_tokens=1)``; medians over the rounds, which interleave the cases; saves are
 flushed after every request.
 
+--floor adds an engine with vLLM's own prefix cache on and no connector, the same prompt asked every round: a
+hit that loads nothing (the same forward pass over the uncached tail), so TTFT minus it is what each store adds.
+
 --mooncake adds Mooncake Store through vLLM's own MooncakeStoreConnector, in its own engine process (the two
 engines never run at once): mooncake_master and, by default, a mooncake_client storage process (standalone-store
 mode, the deployment comparable to a kvd server) on 127.0.0.1; ``--mooncake-mode embedded`` keeps the pool in
@@ -121,15 +124,16 @@ def _engine(conn: Any, model: str, kind: str, extra: dict[str, Any], env: dict[s
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    kv: Any = None  # "local": no connector, vLLM's own prefix cache (the floor: a hit that costs no load)
     if kind == "kvd":
         kv = KVTransferConfig(kv_connector="KvdConnector", kv_connector_module_path="kvd.integrations.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute",
                               kv_connector_extra_config=extra)
-    else:
+    elif kind == "mooncake":
         kv = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both",
                               kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     t0 = time.perf_counter()
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, seed=0,
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=kind == "local", seed=0,
               max_model_len=4096, kv_transfer_config=kv)
     started = time.perf_counter() - t0
     connector = None
@@ -148,7 +152,7 @@ def _engine(conn: Any, model: str, kind: str, extra: dict[str, Any], env: dict[s
         elif cmd[0] == "flush":
             if connector is not None:
                 connector.wait_saves(60)
-            else:
+            elif kind == "mooncake":
                 time.sleep(1.0)  # Mooncake's saves: no public wait; they take well under a second here
             conn.send(True)
         elif cmd[0] == "counters":
@@ -230,6 +234,7 @@ def ttft(args: argparse.Namespace) -> None:
         loopback = {"MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"}
         mc_engine = Engine(model, "mooncake", {}, {"MOONCAKE_CONFIG_PATH": str(mooncake.config), **loopback})
         print(f"engine start, Mooncake connector ({args.mooncake_mode}): {mc_engine.start_s:.1f} s")
+    local = Engine(model, "local", {}) if args.floor else None
     body = kvd.ask("tokenize", "\n\n".join(texts().values()))
 
     def prompt(tag: str) -> list[int]:
@@ -250,6 +255,11 @@ def ttft(args: argparse.Namespace) -> None:
         stored["mooncake"] = prompt("stored-mooncake")
         mc_engine.once(stored["mooncake"])
         cases["mooncake"] = (mc_engine, stored["mooncake"])
+    if local is not None:
+        local.once(prompt("warm-up"))
+        stored["local"] = prompt("stored-local")
+        local.once(stored["local"])
+        cases["vLLM's own cache"] = (local, stored["local"])
     # Rounds interleave the cases (one engine runs at a time), so that a load change on a shared machine hits
     # every case alike.
     times: dict[str, list[tuple[float, int]]] = {name: [] for name in cases}
@@ -274,8 +284,17 @@ def ttft(args: argparse.Namespace) -> None:
             if name.startswith("kvd"):
                 best = min(x for x, _ in times[name])
                 print(f"{name}: TTFT ratio Mooncake / kvd = {mc / t:.2f} (medians), {mc_best / best:.2f} (minima)")
+    if local is not None:
+        # What a store adds to a hit: TTFT minus vLLM's own cached hit of the same blocks (same forward pass
+        # over the uncached tail, no load at all).
+        floor = next(t for n, t, _ in rows if n == "vLLM's own cache")
+        for name, t, _ in rows:
+            if name.startswith(("kvd", "mooncake")):
+                print(f"{name}: load overhead over vLLM's own cache {1000 * (t - floor):.0f} ms (medians)")
     print(f"kvd connector counters (worker): {kvd.ask('counters')}")
     kvd.stop()
+    if local is not None:
+        local.stop()
     if mc_engine is not None and mooncake is not None:
         mc_engine.stop()
         mooncake.stop()
@@ -379,6 +398,9 @@ def main() -> int:
     t.add_argument("--mooncake", action="store_true",
                    help="also Mooncake Store through vLLM's MooncakeStoreConnector (mooncake_master on 127.0.0.1)")
     t.add_argument("--mooncake-mode", default="standalone-store", choices=("standalone-store", "embedded"))
+    t.add_argument("--floor", action="store_true",
+                   help="also an engine with vLLM's own prefix cache and no connector: the same hit with no load, "
+                        "so each store's load overhead (TTFT minus that floor) is printed")
     q = sub.add_parser("quality", help="KL / perplexity / agreement per level through transformers")
     q.add_argument("--prefix", type=int, default=1024)
     q.add_argument("--cont", type=int, default=256)
