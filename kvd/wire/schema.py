@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype("<u2")
 
 PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
-PROTOCOL_MINOR = 2  # additions a client can discover through hello; never changes the meaning of old fields
+PROTOCOL_MINOR = 3  # additions a client can discover through hello; never changes the meaning of old fields
 # 1.1: get's ``packed`` field (pages in few frames, docs/protocol.md §6.5)
 # 1.2: the ``lengths`` operation (many sequences' lengths in one request, docs/protocol.md §6.11)
 MAX_LOOKUP = 4096  # seq_ids in one ``lengths`` request
