@@ -425,8 +425,9 @@ class Membership:
                 return False
             if old is not None:
                 raise LayoutMismatch(
-                    f"namespace {namespace!r} is registered in this cluster as (layers={old[0]}, kv_heads={old[1]}, "
-                    f"head_dim={old[2]}), not (layers={new[0]}, kv_heads={new[1]}, head_dim={new[2]})"
+                    f"namespace {namespace!r} is registered in this cluster as (layers={old[0]}, "
+                    f"kv_heads={old[1]}, head_dim={old[2]}), not (layers={new[0]}, kv_heads={new[1]}, "
+                    f"head_dim={new[2]})"
                 )
             self._namespaces[namespace] = new
             self._namespaces_version += 1
@@ -448,7 +449,9 @@ class Membership:
                 return None
             return self._topology()
 
-    def shard_sync(self, *, topology_epoch: int, namespaces_version: int, now: float | None = None) -> dict[str, Any]:
+    def shard_sync(
+        self, *, topology_epoch: int, namespaces_version: int, now: float | None = None
+    ) -> dict[str, Any]:
         """What a shard that has ``topology_epoch`` / ``namespaces_version`` lacks: ``routing`` (``{"epoch",
         "shards": [ids]}``, only once the topology is published) and ``namespaces`` (``{name: [L, H, D]}``),
         each only when it differs; ``namespaces_version`` always."""
