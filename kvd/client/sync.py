@@ -108,6 +108,8 @@ class Pending:
             try:
                 reply = self._client._wait(self._conn, self._req, self._deadline, self._timeout_s)
                 self._outcome = (True, _value(self._req, reply))
+                if type(self._req) is p.AppendRequest:
+                    self._client._remember(self._req, self._conn)
             except KvdError as exc:
                 self._outcome = (False, exc)
         ok, value = self._outcome
@@ -283,6 +285,7 @@ class Client(_Core):
     def _submit(self, req: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Pending:
         deadline = self._deadline(timeout_s)
         conn = self._drive(self._g_conn(self._topo.owner(namespace, seq_id), deadline))
+        req = _on_wire(conn, self._bind(req))  # an append names the incarnation it is meant for
         self._send(conn, req, deadline)
         return Pending(self, conn, req, deadline, self._tmo(timeout_s))
 

@@ -101,3 +101,22 @@ def test_pages_gets_ask_for_packed_pages_only_from_a_server_of_protocol_1_1_or_l
 
 def test_aggregate_stats_of_no_shards() -> None:
     assert aggregate_stats([]) == {"shards": 0, "errors": 0}
+
+
+def test_appends_name_the_shard_incarnation_the_hello_found_and_nothing_else_does() -> None:
+    conn = _Conn("tcp://127.0.0.1:1", None, None)
+    hello = p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,
+                                    shard_id="s", page_tokens=64)
+    _check_hello(conn, hello, "s")  # a shard that did not say (older than 1.3, or not asked)
+    keys = np.zeros((1, 1, 1, 2), np.float16)
+    append = p.AppendRequest(request_id=2, namespace="m", seq_id=1, keys=keys, values=keys)
+    assert _on_wire(conn, append) is append and b"incarnation" not in bytes(p.encode_request(append)[0])
+    _check_hello(conn, p.HelloReply.for_limits(p.Limits(), request_id=3, kvd_version="x", page_format_version=1,
+                                               shard_id="s", page_tokens=64, incarnation="inc-1"), "s")
+    sent = _on_wire(conn, append)
+    assert sent.incarnation == "inc-1" and append.incarnation is None
+    assert p.decode_request(p.encode_request(sent)).incarnation == "inc-1"
+    named = p.AppendRequest(request_id=4, namespace="m", seq_id=1, keys=keys, values=keys, incarnation="inc-0")
+    assert _on_wire(conn, named) is named  # the incarnation a sequence was written on is kept
+    length = p.LengthRequest(request_id=5, namespace="m", seq_id=1)
+    assert _on_wire(conn, length) is length
