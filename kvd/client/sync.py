@@ -22,7 +22,14 @@ a window of requests in flight. On :class:`AsyncClient`, concurrent coroutines p
 error class. ``Busy`` is retried with a short backoff within the call's timeout (a Busy request was not
 executed). On ShardUnavailable or Timeout, a client that knows a coordinator re-reads the topology once and
 retries the call on the new owner if it is idempotent (get, length, stats, explain, register); an append is
-never retried silently (set ``offset`` to make a resend safe).
+never retried silently (set ``offset`` to make a resend safe). A shard that answers WrongShard (protocol
+1.3: it does not own the sequence by its topology) executed nothing: the client reads the topology again and
+resends to the owner, pausing while that shard's topology lags, within the call's timeout.
+
+*Incarnations.* A shard's ``hello`` tells its incarnation (protocol 1.3), and every append names the
+incarnation the sequence was last appended on by this client (the most recent 65,536 sequences) or else the
+connection's. A shard that restarted, even on its old port, refuses it; an append without ``offset`` then
+raises ShardUnavailable instead of continuing the sequence in the middle on the empty successor.
 
 *Zero copy.* Arrays (numpy, buffer protocol, DLPack such as CPU torch tensors) are sent from their own memory
 (frames of 64 KiB and more are not copied: do not modify an array until its call returned or its Pending
