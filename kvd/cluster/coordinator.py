@@ -238,6 +238,7 @@ class Coordinator:
         outcome = self._membership.report(ShardReport(**report), now=self._clock())
         if outcome.order is not None or self._membership.topology_epoch != topology_epoch:
             self._persist()  # before the broadcast: an epoch is durable before any shard applies it
+        if outcome.order is not None:
             self._orders.put(outcome.order)
         if not outcome.known:
             return {"known": False}

@@ -5,6 +5,7 @@ start-up gate and the cluster-wide register hook; and that a 1.2 client is serve
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,3 +143,87 @@ def test_register_goes_through_the_cluster_first_and_a_refusal_registers_nothing
             client.register("taken", num_layers=1, num_kv_heads=1, head_dim=4)
         with pytest.raises(UnknownNamespace):
             client.append("taken", "a", DATA, DATA)
+
+
+# ------------------------------------------------------------------------------ the coordinator, without Ray
+
+
+class MemoryKV:
+    """The coordinator's persisted state in memory (what RayKV keeps in Ray's internal KV), as JSON."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def load(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.data))
+
+    def save(self, data: dict[str, Any]) -> bool:
+        self.data = json.loads(json.dumps(data))
+        return True
+
+    def delete(self) -> None:
+        self.data = {}
+
+
+def _report(sid: str, inc: str, endpoint: str, topology_epoch: int) -> dict[str, Any]:
+    return {"shard_id": sid, "incarnation": inc, "endpoint": endpoint, "used_bytes": 0,
+            "capacity_bytes": 1 << 20, "level": "fp16", "epoch": 1, "topology_epoch": topology_epoch}
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_publishes_only_saved_complete_topologies_and_serves_them_again_after_a_restart() -> None:
+    from kvd.cluster.coordinator import Coordinator
+    from kvd.config import load_config
+
+    config = load_config(env={}, overrides={"cluster.shards": 2, "cluster.port": 0,
+                                            "cluster.report_interval_s": 0.1})
+    kv = MemoryKV()
+    first = Coordinator(config, host="127.0.0.1", kv=kv)
+    try:
+        with pytest.raises(Busy, match="shard-1"):
+            first._client_topology()
+        first.register("shard-0", "tcp://127.0.0.1:1", "a0")
+        with pytest.raises(Busy):
+            first._client_topology()  # one of two: clients would route shard-1's sequences to shard-0
+        reply = first.register("shard-1", "tcp://127.0.0.1:2", "a1")
+        served = first._client_topology()
+        assert [s["id"] for s in served["shards"]] == ["shard-0", "shard-1"]
+        assert reply["routing"] == {"epoch": served["epoch"], "shards": ["shard-0", "shard-1"]}
+        assert kv.data["topology_epoch"] == served["epoch"]  # saved before it was served
+        assert first.add_namespace("m", [2, 2, 8]) == {"ok": True}
+        refused = first.add_namespace("m", [2, 2, 16])
+        assert not refused["ok"] and refused["code"] == LayoutMismatch.code
+    finally:
+        first.stop()
+    second = Coordinator(config, host="127.0.0.1", kv=kv)  # a restart that kept its state
+    try:
+        again = second._client_topology()
+        assert (again["epoch"], again["shards"]) == (served["epoch"], served["shards"])
+        assert second.namespaces() == {"m": [2, 2, 8]}
+        assert second.report(_report("shard-0", "a0", "tcp://127.0.0.1:1", served["epoch"]))["known"]
+    finally:
+        second.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_lost_its_state_goes_past_the_shards_epochs_and_keeps_broadcasting() -> None:
+    from kvd.cluster.coordinator import Coordinator
+    from kvd.config import load_config
+
+    config = load_config(env={}, overrides={"cluster.shards": 2, "cluster.port": 0,
+                                            "cluster.report_interval_s": 0.1})
+    coordinator = Coordinator(config, host="127.0.0.1", kv=MemoryKV())
+    try:
+        coordinator.register("shard-0", "tcp://127.0.0.1:1", "a0", topology_epoch=5, namespaces={"m": [1, 1, 4]})
+        coordinator.register("shard-1", "tcp://127.0.0.1:2", "a1", topology_epoch=5)
+        epoch = coordinator._client_topology()["epoch"]
+        assert epoch > 5 and coordinator.namespaces() == {"m": [1, 1, 4]}
+        # a shard that was handed a newer epoch by a lost predecessor raises the floor again ...
+        reply = coordinator.report(_report("shard-1", "a1", "tcp://127.0.0.1:2", epoch + 3))
+        assert reply["routing"]["epoch"] > epoch + 3
+        assert coordinator._client_topology()["epoch"] == reply["routing"]["epoch"]
+        # ... and the level broadcaster is still there for the next order (give a wrongly stopped one time to go)
+        coordinator._threads[0].join(timeout=0.5)
+        assert all(t.is_alive() for t in coordinator._threads)
+    finally:
+        coordinator.stop()
