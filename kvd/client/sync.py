@@ -66,7 +66,7 @@ from kvd.client.core import (
     _value,
     aggregate_stats,
 )
-from kvd.errors import InvalidArgument, KvdError
+from kvd.errors import InvalidArgument, KvdError, WrongShard
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
 from kvd.wire.sockets import recv_frames, send_frames
@@ -315,12 +315,17 @@ class Client(_Core):
         return self._submit(req, namespace, seq_id, timeout_s)
 
     def _many(self, submit: Any, items: Iterable[Sequence[Any]], window: int,
-              return_exceptions: bool) -> list[Any]:
+              return_exceptions: bool, redo: Any) -> list[Any]:
+        """``submit`` each item with at most ``window`` in flight; an item refused with WrongShard (not
+        executed: a stale topology, or a shard that restarted) is done again with ``redo``, the blocking call,
+        which reads the topology again and resends where it may (in order, after the window)."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InvalidArgument(f"window must be a positive integer, got {window!r}")
         pending: list[Pending | KvdError] = []
         out: list[Any] = []
+        done: list[Sequence[Any]] = []
         for item in items:
+            done.append(item)
             if len(pending) - len(out) >= window:
                 out.append(_outcome(pending[len(out)]))
             try:
@@ -328,6 +333,12 @@ class Client(_Core):
             except KvdError as exc:
                 pending.append(exc)
         out.extend(_outcome(x) for x in pending[len(out):])
+        for i, value in enumerate(out):
+            if isinstance(value, WrongShard):
+                try:
+                    out[i] = redo(done[i])
+                except KvdError as exc:
+                    out[i] = exc
         if not return_exceptions:
             for value in out:
                 if isinstance(value, KvdError):
@@ -339,8 +350,12 @@ class Client(_Core):
         """Pipelined appends: ``items`` of ``(namespace, seq_id, keys, values[, offset])``, at most ``window``
         in flight. Returns the new lengths in order; with ``return_exceptions`` failures are returned in place,
         else the first one is raised once all completed."""
-        return self._many(lambda it: self.append_nowait(*it[:4], offset=it[4] if len(it) > 4 else None,
-                                                        timeout_s=timeout_s), items, window, return_exceptions)
+        def offset(it: Sequence[Any]) -> int | None:
+            return it[4] if len(it) > 4 else None
+
+        return self._many(lambda it: self.append_nowait(*it[:4], offset=offset(it), timeout_s=timeout_s), items,
+                          window, return_exceptions,
+                          lambda it: self.append(*it[:4], offset=offset(it), timeout_s=timeout_s))
 
     def get_many(self, items: Iterable[Sequence[Any]], *, format: str = "fp16",  # noqa: A002
                  window: int = DEFAULT_WINDOW, return_exceptions: bool = False,
@@ -348,7 +363,7 @@ class Client(_Core):
         """Pipelined gets: ``items`` of ``(namespace, seq_id[, start[, end[, layers]]])``; returns
         ``(keys, values)`` pairs in order (failures as in :meth:`append_many`)."""
         return self._many(lambda it: self.get_nowait(*it, format=format, timeout_s=timeout_s), items, window,
-                          return_exceptions)
+                          return_exceptions, lambda it: self.get(*it, format=format, timeout_s=timeout_s))
 
     # -------------------------------------------------------------------------------------------- lifecycle
 

@@ -239,6 +239,19 @@ def test_a_shard_refuses_sequences_it_does_not_own_and_the_client_refreshes_and_
             stats = {st["shard_id"]: st["sequences"] for st in fresh.shard_stats()}
         # and no shard holds a stray copy: each holds exactly the sequences it owns ("theirs" was never stored)
         assert stats == {sid: sum(ids[owner(ids, NS, s)] == sid for s in [*seqs, mine]) for sid in ids}
+        # the pipelined and batched calls follow too: a refused item is done again after a refresh
+        for call, expect in ((lambda: client.get_many([(NS, s) for s in seqs]), [(data, data)] * len(seqs)),
+                             (lambda: client.lengths(NS, seqs), [PAGE] * len(seqs)),
+                             (lambda: client.append_many([(NS, s, data, data, PAGE) for s in seqs]),
+                              [2 * PAGE] * len(seqs))):
+            client._set_topology(stale.as_dict())
+            got = call()
+            assert len(got) == len(expect)
+            for g, e in zip(got, expect, strict=True):
+                if isinstance(e, tuple):
+                    np.testing.assert_array_equal(g[0], e[0])
+                else:
+                    assert g == e
 
 
 # ------------------------------------------------------------------------------ item 4: incarnations
