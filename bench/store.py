@@ -14,7 +14,9 @@
    appends: one token of every layer at a time, median and mean us per append.
 2. Tokens held per GiB at each level relative to fp16, for 4,096-token sequences with the default settings
    (sink page raw, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
-   headers included on both sides), and against the raw fp16 bytes of the tokens.
+   headers included on both sides), and against the raw fp16 bytes of the tokens. Then a prompt stored one
+   128-token block per sequence (what the vLLM connector does): every block at position 0, as before protocol
+   1.3 (each block's first page kept fp16 as a sink page), against each block at its prompt position.
 3. Re-compression (compact) from fp16 to q4: GB/s of stored fp16 pages re-encoded.
 4. Attention error of the real sample read back through the store, sink and window on and off:
    eps_O = ||softmax(q K^T / sqrt(d)) V - O|| / ||O||, causal, grouped-query (9 query heads share 3 KV heads),
@@ -215,6 +217,28 @@ def tokens_per_gib(quick: bool) -> list[list[str]]:
     return rows
 
 
+def block_tokens_per_gib(quick: bool) -> list[list[str]]:
+    """A prompt stored one 128-token block per sequence, as the vLLM connector stores it: each block at its
+    position in the prompt (protocol 1.3), against every block a sequence of its own at position 0 (before)."""
+    rows = []
+    layout, blocks, bs = LAYOUTS["sample (30x3x64)"], (4 if quick else 16), 128
+    k, v = random_kv(layout, blocks * bs, seed=3)
+    used: dict[tuple[str, bool], int] = {}
+    for level in LEVELS:
+        for positioned in (False, True):
+            s = make_store(level, layout)
+            for b in range(blocks):
+                sl = slice(b * bs, (b + 1) * bs)
+                s.append("m", b, k[:, sl], v[:, sl], position=b * bs if positioned else None)
+            used[level, positioned] = s.stats()["used_bytes"] - sp.namespace_meta_bytes(layout[0])
+    for level in LEVELS:
+        before, after = used[level, False], used[level, True]
+        rows.append([level, f"{blocks} x {bs}", f"{blocks * bs * GiB / before:,.0f}",
+                     f"{blocks * bs * GiB / after:,.0f}", f"{used['fp16', True] / after:.3f}x",
+                     f"{before / after:.2f}x"])
+    return rows
+
+
 # ------------------------------------------------------------------------------------------ 3. re-compression
 
 
@@ -361,6 +385,10 @@ def main() -> None:
         ["layout", "level", "used MB / seq", "tokens per GiB", "vs fp16 store", "vs raw fp16 bytes"],
         tokens_per_gib(args.quick),
     )
+
+    print("## Tokens held per GiB, a prompt stored one 128-token block per sequence (sample layout)\n")
+    table(["level", "blocks", "tokens per GiB, every block at position 0", "... each at its prompt position",
+           "vs fp16", "gain"], block_tokens_per_gib(args.quick))
 
     print("## Re-compression fp16 -> q4 (compact in 8 MiB steps)\n")
     table(["layout", "tokens", "fp16 MB re-encoded", "seconds", "GB/s", "MB freed"], recompression(args.quick))

@@ -1,4 +1,4 @@
-"""The ``kvd`` command: ``up``, ``status``, ``bench``, ``down``, ``keygen``, ``config``.
+"""The ``kvd`` command: ``up``, ``status``, ``ping``, ``bench``, ``down``, ``keygen``, ``config``.
 
 ``kvd up`` with no arguments starts an embedded local Ray, a coordinator and two shards, prints the client
 endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--address auto`` joins a running
@@ -292,7 +292,7 @@ def _claim_namespace(namespace: str, detach: bool) -> None:
     raise ConfigError(f"cannot take the run note {run_file_path(namespace)}: another `kvd up` is starting")
 
 
-def _preflight(config: Config) -> None:
+def _preflight(config: Config, *, detach: bool = False) -> None:
     """What can be checked before Ray starts (Ray itself takes seconds to start and minutes to give up): the
     memory asked for against this machine's, and whether the client and metrics ports are free."""
     import socket
@@ -309,7 +309,7 @@ def _preflight(config: Config) -> None:
     if not cluster.address and cluster.port:
         checks.append(("client port (--port)", "127.0.0.1" if cluster.host == "auto" else cluster.host,
                        cluster.port))
-    if cluster.metrics_port:
+    if cluster.metrics_port and not detach:  # a detached kvd serves its metrics on the Ray head, not here
         checks.append(("metrics port (--metrics-port)", "127.0.0.1", cluster.metrics_port))
     for what, host, port in checks:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -345,7 +345,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise ConfigError("--detach needs --address (an embedded Ray lives only as long as `kvd up`)")
     import ray
 
-    from kvd.cluster.deploy import deploy, teardown
+    from kvd.cluster.deploy import deploy, deploy_metrics, teardown
+    from kvd.cluster.naming import metrics_bind_host, resolve_host
 
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
@@ -355,7 +356,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         _claim_namespace(cluster.namespace, bool(args.detach))
         claimed = True
-        _preflight(config)
+        _preflight(config, detach=bool(args.detach))
         host = _ray_init(config)
         # Ray's core installs a failure-signal handler that dumps a stack on SIGTERM: take the signals back.
         signal.signal(signal.SIGTERM, _raise_stop)
@@ -366,14 +367,28 @@ def cmd_up(args: argparse.Namespace) -> int:
         _say(f"kvd {__version__}: starting {cluster.shards} shards x {fmt_bytes(config.shard_capacity_bytes)} "
              f"on {where} (namespace {cluster.namespace!r}) ...")
         deployment = deploy(config, host=host)
+        metrics_url = None
+        if cluster.metrics_port and args.detach:
+            # nothing of this process stays to serve them: an actor on the Ray head does, until `kvd down`
+            try:
+                metrics_url = deploy_metrics(cluster.namespace, cluster.metrics_port, host=host,
+                                             timeout_s=cluster.ray_timeout_s * 3)
+            except BaseException:
+                teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
+                deployment = None
+                raise
+        elif cluster.metrics_port:
+            bind = resolve_host(host)
+            metrics = StatusMetrics(cluster.metrics_port, metrics_bind_host(bind))
+            metrics_url = f"http://{bind}:{cluster.metrics_port}/metrics"
         write_run_file(cluster.namespace, {
             "pid": os.getpid(), "endpoint": deployment.endpoint, "detached": bool(args.detach),
             "ray_address": ray.get_runtime_context().gcs_address, "namespace": cluster.namespace,
+            "metrics": metrics_url,
         })
         print(f"kvd endpoint: {deployment.endpoint}", flush=True)
-        if cluster.metrics_port:
-            metrics = StatusMetrics(cluster.metrics_port, "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
-            _say(f"metrics: http://{'127.0.0.1' if host == '127.0.0.1' else host}:{cluster.metrics_port}/metrics")
+        if metrics_url:
+            _say(f"metrics: {metrics_url}" + (" (served on the Ray head until `kvd down`)" if args.detach else ""))
         if args.detach:
             _say(f"detached; stop it with `kvd down --address {cluster.address}`")
             return _EXIT_OK
@@ -467,6 +482,88 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(head)
     print(shard_table(rows))
     return _EXIT_OK if len(good) == len(rows) else _EXIT_ERROR
+
+
+def _ping_endpoint(endpoint: str, timeout_s: float, curve: Any) -> tuple[str, str, float]:
+    """Send ``hello`` and ``ping`` to one kvd server; ``(role, name, seconds of the ping round trip)``. Raises
+    :class:`~kvd.errors.Timeout` if no reply comes within ``timeout_s`` (the error of a refused request as is)."""
+    import zmq
+
+    from kvd.errors import ProtocolError, Timeout
+    from kvd.wire import protocol as p
+    from kvd.wire.sockets import recv_frames, send_frames
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply_client(sock)
+        sock.connect(endpoint)  # the requests wait in the socket until the connection is up (no ZMQ_IMMEDIATE)
+        deadline = time.monotonic() + timeout_s
+        send_frames(sock, p.encode_request(p.HelloRequest(request_id=1)))
+        replies: dict[int, Any] = {}
+        sent = 0.0
+        while len(replies) < 2:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(left * 1000, zmq.POLLIN):
+                what = "hello" if not replies else "ping"
+                raise Timeout(f"no reply from {endpoint} to {what} within {timeout_s:g} s")
+            reply = p.decode_reply([f.buffer for f in recv_frames(sock)])
+            if isinstance(reply, p.ErrorReply):
+                raise reply.exception()
+            replies[reply.request_id] = (reply, time.perf_counter())
+            if reply.request_id == 1:
+                sent = time.perf_counter()
+                send_frames(sock, p.encode_request(p.PingRequest(request_id=2)))
+        hello, (ping, answered) = replies[1][0], replies[2]
+        if not isinstance(hello, p.HelloReply) or not isinstance(ping, p.PingReply):
+            raise ProtocolError(f"{endpoint} answered hello and ping with {type(hello).__name__}, "
+                                f"{type(ping).__name__}")
+        return str(hello.role), str(hello.shard_id), answered - sent
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    config = _load(args)
+    endpoint = _endpoint_arg(args, config)
+    curve = _curve_client(config)
+    from kvd.errors import ShardUnavailable, Timeout
+
+    try:
+        role, name, seconds = _ping_endpoint(endpoint, args.timeout, curve)
+    except (Timeout, ShardUnavailable) as exc:
+        if args.address is None and _live_note(config.cluster.namespace) is None:
+            _say(f"kvd ping: no kvd is running in namespace {config.cluster.namespace!r} on this machine (no "
+                 f"`kvd up` of it, and nothing answers at {endpoint}); for a kvd elsewhere give --address "
+                 "ENDPOINT")
+            return _EXIT_ERROR
+        raise exc from None
+    if not args.quiet:
+        print(f"{role} {name} at {endpoint}: ping {seconds * 1e3:.2f} ms")
+    if not args.all_shards:
+        return _EXIT_OK
+    from kvd.client.sync import Client
+
+    with Client(endpoint, timeout_s=args.timeout, curve=curve) as client:
+        shards = client.topology()["shards"]
+        failed = 0
+        for shard in shards:
+            try:
+                with Client(shard["endpoint"], timeout_s=args.timeout, curve=curve) as one:
+                    took = one.ping()[shard["id"]]
+            except (Timeout, ShardUnavailable) as exc:
+                failed += 1
+                print(f"shard {shard['id']} at {shard['endpoint']}: no answer: {exc}")
+                continue
+            if not args.quiet:
+                print(f"shard {shard['id']} at {shard['endpoint']}: ping {took * 1e3:.2f} ms")
+    if role == "coordinator" and not shards:
+        print("no shard is registered")
+        return _EXIT_ERROR
+    return _EXIT_ERROR if failed else _EXIT_OK
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -591,14 +688,20 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--shards", type=int, help="number of shards (default 2)")
     up.add_argument("--memory", help=f"total KV memory over all shards, e.g. 8GiB (default here: {memory})")
     up.add_argument("--port", type=int, help=f"coordinator's client port (default {DEFAULT_PORT}; 0 = any)")
-    up.add_argument("--host", help='bind address (default "auto": 127.0.0.1 embedded, the node IP on a cluster)')
-    up.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default 0 = off)")
+    up.add_argument("--host",
+                    help='bind address of every actor (default "auto": 127.0.0.1 embedded; on a cluster each '
+                    "node's IP as Ray has it, i.e. its `ray start --node-ip-address` if given, but Ray replaces "
+                    "a loopback one by the outward IP: see cluster/README.md)")
+    up.add_argument("--metrics-port", type=int,
+                    help="serve Prometheus metrics on this port (default 0 = off): from `kvd up` itself, or with "
+                    "--detach from an actor on the Ray head until `kvd down`")
     up.add_argument("--report-interval", type=float, help="seconds between shard reports (default 0.5)")
     up.add_argument("--pressure-mode", choices=["sum", "max"], help="cluster pressure: total or fullest shard")
     up.add_argument("--profile", choices=["default", "fp16_only", "aggressive"], help="policy profile")
     up.add_argument("--eviction", choices=["lru", "none"], help="when full: evict LRU sequences or refuse")
     up.add_argument("--detach", action="store_true",
-                    help="with --address: leave kvd running on the cluster and exit (stop it with `kvd down`)")
+                    help="with --address: leave kvd running on the cluster and exit (stop it with `kvd down`); "
+                    "metrics (--metrics-port) are then served on the Ray head")
     up.add_argument("--quiet", action="store_true", help="no status output (only the endpoint line)")
     up.set_defaults(func=cmd_up)
 
@@ -628,6 +731,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decode-steps", type=int, default=32, help="one-token appends per sequence (default 32)")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=cmd_bench)
+
+    ping = verbs.add_parser(
+        "ping", help="liveness check: does the coordinator (or a shard) answer? exit status 0 if so",
+        description="Send the protocol's hello and ping to a kvd server (the coordinator by default) and report "
+        "the round trip. Exit status 0 when it answered, 1 when not (within --timeout). With --shards, also ping "
+        "every shard of the topology (exit 1 if one does not answer). Meant for liveness probes and scripts: it "
+        "touches no data and does not need Ray.",
+    )
+    _common(ping)
+    ping.add_argument("--address", metavar="ENDPOINT",
+                      help=f"endpoint to ping (default: the local `kvd up`, else tcp://127.0.0.1:{DEFAULT_PORT})")
+    ping.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each reply (default 5)")
+    ping.add_argument("--shards", dest="all_shards", action="store_true",
+                      help="also ping every shard of the topology")
+    ping.add_argument("--quiet", action="store_true", help="print nothing but failures")
+    ping.set_defaults(func=cmd_ping)
 
     down = verbs.add_parser(
         "down", help="stop a running kvd",

@@ -141,10 +141,11 @@ class AsyncClient(_Core):
         await self._drive(self._plan_register(namespace, (num_layers, num_kv_heads, head_dim), timeout_s))
 
     async def append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, *,
-                     offset: int | None = None, dtype: str | None = None, timeout_s: float | None = None) -> int:
+                     offset: int | None = None, dtype: str | None = None, position: int | None = None,
+                     timeout_s: float | None = None) -> int:
         """See :meth:`Client.append`."""
         return await self._drive(
-            self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s))
+            self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s, position))
 
     async def get(self, namespace: str, seq_id: p.SeqId, start: int = 0, end: int | None = None,
                   layers: Sequence[int] | None = None, *, format: str = "fp16",  # noqa: A002

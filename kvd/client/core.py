@@ -109,8 +109,8 @@ def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
 class _Conn:
     """One DEALER to one server, with the replies received for requests still waited for."""
 
-    __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "waiting",
-                 "replies", "reader", "rcvtimeo", "closed", "incarnation")
+    __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "positions",
+                 "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
         self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
@@ -119,6 +119,7 @@ class _Conn:
         self.limits = p.DEFAULT_LIMITS
         self.packs = False  # the server takes get's packed field (protocol 1.1)
         self.lookups = False  # the server answers lengths (protocol 1.2)
+        self.positions = False  # the server takes append's position field (protocol 1.3)
         self.incarnation: str | None = None  # the shard process this connection talks to (protocol 1.3)
         self.waiting: dict[int, Any] = {}  # id -> None (sync: reply not yet in) or a Future (async)
         self.replies: dict[int, Any] = {}
@@ -192,6 +193,7 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
     conn.hello, conn.limits, conn.shard_id = reply, reply.limits, reply.shard_id
     conn.packs = reply.protocol_minor >= 1
     conn.lookups = reply.protocol_minor >= 2  # the lengths operation
+    conn.positions = reply.protocol_minor >= 3  # append's position
     conn.incarnation = reply.incarnation  # protocol 1.3: appends on this connection name this process
 
 
@@ -258,11 +260,15 @@ def _renumber(req: Any, rid: int) -> Any:
 def _on_wire(conn: _Conn, req: Any) -> Any:
     """``req`` as sent on ``conn``: a pages get asks for packed pages (fewer frames) from a server that speaks
     protocol 1.1 (docs/protocol.md §6.5); an append names the shard incarnation the connection's hello found
-    (protocol 1.3, §6.4), so a successor on the same port refuses it. The caller's result is the same."""
+    (protocol 1.3, §6.4), so a successor on the same port refuses it. The caller's result is the same. An
+    append's ``position`` is left out for a server older than 1.3: it only spares pages the sink protection, so
+    such a server stores the tokens the same, at most with one more fp16 page."""
     if conn.packs and type(req) is p.GetRequest and req.format == "pages" and not req.packed:
         return _replace(req, packed=True)
+    if not conn.positions and type(req) is p.AppendRequest and req.position is not None:
+        req = _replace(req, position=None)
     if conn.incarnation is not None and type(req) is p.AppendRequest and req.incarnation is None:
-        return _replace(req, incarnation=conn.incarnation)
+        req = _replace(req, incarnation=conn.incarnation)
     return req
 
 
@@ -560,7 +566,7 @@ class _Core:
             raise errors[0]
 
     def _plan_append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, offset: int | None,
-                     dtype: str | None, timeout_s: float | None) -> Plan:
+                     dtype: str | None, timeout_s: float | None, position: int | None = None) -> Plan:
         first = self._topo.owner(namespace, seq_id)
         conn = yield from self._g_conn(first, self._deadline(timeout_s))
         chunks = _append_chunks(keys, values, conn.limits)
@@ -568,7 +574,7 @@ class _Core:
         for i, (k, v) in enumerate(chunks):
             def make(rid: int, k: Any = k, v: Any = v, off: int | None = length) -> p.AppendRequest:
                 return p.AppendRequest(request_id=rid, namespace=namespace, seq_id=seq_id, keys=k, values=v,
-                                       offset=off, dtype=dtype)
+                                       offset=off, dtype=dtype, position=position)
             try:
                 length = yield from self._g_routed(make, namespace, seq_id, timeout_s)
             except KvdError as exc:

@@ -1,6 +1,7 @@
 """Starting, finding and stopping a whole kvd on a connected Ray: the one place the plain actor classes meet
-``ray.remote`` (:func:`actor_class`), :func:`deploy`, :func:`find`, :func:`teardown`, and :func:`wait_until`.
-Every Ray call here has a timeout."""
+``ray.remote`` (:func:`actor_class`), :func:`deploy`, :func:`find`, :func:`teardown`, and :func:`wait_until`;
+:func:`deploy_metrics` serves the Prometheus metrics of a kvd from the cluster itself (a detached `kvd up` has no
+process left to serve them). Every Ray call here has a timeout."""
 
 from __future__ import annotations
 
@@ -11,22 +12,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.cluster.coordinator import Coordinator, RayKV
-from kvd.cluster.naming import coordinator_name, shard_ids, shard_name, state_key
+from kvd.cluster.naming import coordinator_name, metrics_name, shard_ids, shard_name, state_key
 from kvd.config.settings import Config
 from kvd.errors import ConfigError, Timeout
 
-__all__ = ["Deployment", "actor_class", "deploy", "find", "shard_memory_request", "teardown", "wait_until"]
+__all__ = ["Deployment", "MetricsExporter", "actor_class", "deploy", "deploy_metrics", "find",
+           "shard_memory_request", "teardown", "wait_until"]
 
 log = logging.getLogger("kvd.deploy")
 
-# A shard process holds its store (capacity, exact) plus Python, Ray worker and numpy: reserve both.
+# A shard process holds its store (capacity, exact), the warm buffers of large gets (store.warm_cache_bytes,
+# outside the capacity) and Python, the Ray worker and numpy: reserve all of it.
 _SHARD_MEMORY_OVERHEAD = 1.05
 _SHARD_PROCESS_BYTES = 256 << 20
+_METRICS_PERIOD_S = 1.0
 
 
 def shard_memory_request(config: Config) -> int:
-    """Bytes of Ray's ``memory`` resource each shard asks for (its store plus the process around it)."""
-    return int(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD) + _SHARD_PROCESS_BYTES
+    """Bytes of Ray's ``memory`` resource each shard asks for: its store + 5%, its warm cache and 256 MiB for the
+    process around them. A node must offer Ray this much per shard it is to hold (cluster/README.md)."""
+    return (int(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD) + config.store.warm_cache_bytes
+            + _SHARD_PROCESS_BYTES)
 
 
 def actor_class(kind: str) -> Any:
@@ -43,6 +49,9 @@ def actor_class(kind: str) -> Any:
 
         options = {"max_restarts": -1, "max_concurrency": 8}
         return ray.remote(**options)(Shard)
+    if kind == "metrics":
+        options = {"num_cpus": 0, "max_restarts": -1, "max_concurrency": 4}
+        return ray.remote(**options)(MetricsExporter)
     raise ValueError(f"unknown actor kind {kind!r}")
 
 
@@ -132,7 +141,7 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
             lifetime="detached",
             num_cpus=cluster.shard_cpus,
             # Ray's memory resource keeps the scheduler from packing more shards on a node than fit.
-            memory=int(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD) + _SHARD_PROCESS_BYTES,
+            memory=shard_memory_request(config),
             scheduling_strategy="SPREAD",
         ).remote(sid, config, host=host)
     try:
@@ -146,7 +155,7 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
                 raise Timeout(
                     f"shard {sid} did not start within {ready_timeout_s:.0f} s: not enough CPU or memory "
                     f"resources in the Ray cluster? (each shard asks for {cluster.shard_cpus} CPU and "
-                    f"{(config.shard_capacity_bytes * _SHARD_MEMORY_OVERHEAD + _SHARD_PROCESS_BYTES) / 2**30:.2f} "
+                    f"{shard_memory_request(config) / 2**30:.2f} "
                     "GiB of Ray memory)"
                 ) from None
         wait_until(
@@ -212,8 +221,10 @@ def teardown(namespace: str = "kvd", *, timeout_s: float = 10.0) -> int:
 
     deployment = find(namespace, timeout_s=timeout_s) if _get_actor(coordinator_name(), namespace) else None
     handles: list[Any] = []
+    if (exporter := _get_actor(metrics_name(), namespace)) is not None:
+        handles.append(exporter)  # first: it polls the others
     if deployment is not None:
-        handles = [*deployment.shards.values(), deployment.coordinator]
+        handles += [*deployment.shards.values(), deployment.coordinator]
     else:
         i = 0
         while (h := _get_actor(shard_name(f"shard-{i}"), namespace)) is not None:
@@ -231,6 +242,87 @@ def teardown(namespace: str = "kvd", *, timeout_s: float = 10.0) -> int:
         _kill(h)
     RayKV(state_key(namespace)).delete()
     return len(handles)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+class MetricsExporter:
+    """Serves the Prometheus metrics of the kvd in ``namespace`` (those of `kvd up --metrics-port`) from a
+    detached actor pinned to the Ray head, so they outlive a `kvd up --detach` and stay at ``<head>:port``.
+    A thread polls the coordinator and the shards through Ray every second, as the foreground `kvd up` does.
+    ``host``: the bind address of the kvd's actors (``"node"`` = the node IP); the exporter binds 127.0.0.1
+    for a loopback kvd and all interfaces otherwise (as `kvd up` does), and reports the URL to scrape."""
+
+    def __init__(self, namespace: str, port: int, host: str, timeout_s: float = 10.0) -> None:
+        import threading
+
+        from kvd.cli.status import StatusMetrics
+        from kvd.cluster.naming import metrics_bind_host, resolve_host
+
+        self._namespace = namespace
+        self._timeout_s = timeout_s
+        advertised = resolve_host(host)
+        self._metrics = StatusMetrics(port, metrics_bind_host(advertised))
+        self._url = f"http://{advertised}:{port}/metrics"
+        self._stopped = threading.Event()
+        self._polls = 0
+        self._last_error = ""
+        self._thread = threading.Thread(target=self._poll_loop, name="kvd-metrics", daemon=True)
+        self._thread.start()
+
+    def url(self) -> str:
+        return self._url
+
+    def info(self) -> dict[str, Any]:
+        return {"url": self._url, "polls": self._polls, "last_error": self._last_error}
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._metrics.close()
+
+    def _poll_loop(self) -> None:
+        deployment: Deployment | None = None
+        while not self._stopped.is_set():
+            try:
+                if deployment is None:
+                    deployment = find(self._namespace, timeout_s=self._timeout_s)
+                if deployment is not None:
+                    cluster = deployment.status()
+                    if len(deployment.shards) < len(cluster.get("shards") or ()):
+                        deployment = find(self._namespace, timeout_s=self._timeout_s)  # shards joined since
+                    if deployment is not None:
+                        self._metrics.update(cluster, deployment.shard_stats())
+                        self._polls += 1
+            except Exception as exc:  # noqa: BLE001 - a restarting coordinator: keep serving the last figures
+                self._last_error = f"{type(exc).__name__}: {exc}"
+                deployment = None
+            self._stopped.wait(_METRICS_PERIOD_S)  # the scrape data's refresh period, not a wait for a condition
+
+
+def deploy_metrics(namespace: str, port: int, *, host: str, timeout_s: float = 30.0) -> str:
+    """Start the :class:`MetricsExporter` of the kvd in ``namespace`` on the Ray head (detached, restarted by Ray
+    if it dies); returns the URL to scrape. Raises ConfigError if it cannot serve (port taken)."""
+    import ray
+
+    stale = _get_actor(metrics_name(), namespace)
+    if stale is not None:
+        _kill(stale)
+    exporter = (
+        actor_class("metrics")
+        .options(name=metrics_name(), namespace=namespace, lifetime="detached",
+                 resources={"node:__internal_head__": 0.001})
+        .remote(namespace, port, host)
+    )
+    try:
+        url: str = ray.get(exporter.url.remote(), timeout=timeout_s)
+    except ray.exceptions.RayActorError as exc:
+        _kill(exporter)
+        raise ConfigError(f"the metrics exporter did not start on the Ray head: {_root_cause(exc)}") from None
+    except Exception:
+        _kill(exporter)
+        raise
+    return url
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:

@@ -8,11 +8,17 @@ from typing import Any
 
 from kvd.config.settings import Config
 
-__all__ = ["coordinator_name", "curve_server_config", "resolve_host", "shard_ids", "shard_name", "state_key"]
+__all__ = ["coordinator_name", "curve_server_config", "metrics_bind_host", "metrics_name", "resolve_host",
+           "shard_ids", "shard_name", "state_key"]
 
 
 def coordinator_name() -> str:
     return "kvd-coordinator"
+
+
+def metrics_name() -> str:
+    """The detached actor that serves a detached kvd's Prometheus metrics (kvd.cluster.deploy)."""
+    return "kvd-metrics"
 
 
 def shard_name(shard_id: str) -> str:
@@ -36,6 +42,11 @@ def resolve_host(host: str) -> str:
         return str(ray.util.get_node_ip_address())
     return host
 
+
+def metrics_bind_host(host: str) -> str:
+    """Where the Prometheus exporter listens for a kvd bound to ``host`` (resolved): loopback stays loopback,
+    anything else listens on every interface (a scraper may come through any of them, or a port-forward)."""
+    return "127.0.0.1" if host == "127.0.0.1" else "0.0.0.0"
 
 
 def curve_server_config(config: Config) -> Any:

@@ -12,11 +12,12 @@ metadata, so parsing, validation, ``--help`` and error messages all come from on
 
 :func:`load_config` layers the sources. Values from TOML are typed (an int stays an int); values from the
 environment are strings and go through the same parser. Unknown keys, in TOML or as ``KVD_*`` variables, are
-errors: :class:`~kvd.errors.ConfigError` naming the key and listing the valid ones. Three ``KVD_*`` variables
-belong to other parts of kvd and are left alone here: ``KVD_KERNELS`` (kernel backend, read by kvd.kernels),
-``KVD_PYTHON`` (the interpreter bin/kvd creates .venv with) and
-``KVD_SAMPLE`` (path of the real-KV sample used by tests and benches). ``KVD_CONFIG`` names the TOML file when
-no path is given explicitly.
+errors: :class:`~kvd.errors.ConfigError` naming the key and listing the valid ones. The ``KVD_*`` variables
+that belong to other parts of kvd are left alone here (:data:`FOREIGN_ENV`): ``KVD_KERNELS`` (kernel backend,
+read by kvd.kernels), ``KVD_PURE_PYTHON`` (run the data path from source, kvd._native), ``KVD_MODEL_CACHE``
+(kvd.integrations' model folder), ``KVD_SAMPLE`` (path of the real-KV sample used by tests and benches) and
+those of the scripts in bin/: ``KVD_PYTHON``, ``KVD_REINSTALL``, ``KVD_TEST_DRY_INSTALL``, ``KVD_ENGINES``,
+``KVD_ENGINES_VENV``. ``KVD_CONFIG`` names the TOML file when no path is given explicitly.
 
 This module is the only place in kvd that reads configuration from the environment or from files; it also
 keeps the small run notes `kvd up` leaves for `kvd status` and `kvd down` (:func:`write_run_file`). The value
@@ -84,8 +85,12 @@ __all__ = [
 
 ENV_PREFIX = "KVD_"
 CONFIG_ENV = "KVD_CONFIG"
-# KVD_* variables owned by other modules: never reported as unknown settings.
-FOREIGN_ENV = frozenset({"KVD_KERNELS", "KVD_SAMPLE", "KVD_PYTHON", CONFIG_ENV})
+# KVD_* variables owned by other modules and by the scripts in bin/: never reported as unknown settings (a `kvd`
+# started with one of them set, e.g. KVD_PURE_PYTHON=1 or inside `KVD_ENGINES=0 bin/test`, must still run).
+FOREIGN_ENV = frozenset({
+    "KVD_KERNELS", "KVD_PURE_PYTHON", "KVD_MODEL_CACHE", "KVD_SAMPLE", CONFIG_ENV,
+    "KVD_PYTHON", "KVD_REINSTALL", "KVD_TEST_DRY_INSTALL", "KVD_ENGINES", "KVD_ENGINES_VENV",
+})
 
 # Default total memory of `kvd up`: a quarter of this machine's memory, capped, so a laptop keeps room for the
 # inference process itself; at least 64 MiB so that tiny containers still start.
@@ -205,7 +210,10 @@ class ClusterSettings:
     shard_ports: str = _setting(
         "", port_range, 'ports shards bind, e.g. "7500-7599" for a firewall ("" = any free port)'
     )
-    metrics_port: int = _setting(0, integer_in(0, 65535), "Prometheus metrics port of `kvd up` (0 = off)")
+    metrics_port: int = _setting(
+        0, integer_in(0, 65535), "Prometheus metrics port of `kvd up` (0 = off); with --detach served on the Ray "
+        "head"
+    )
     shard_cpus: float = _setting(1.0, number_in(0.0, 1024.0), "logical CPUs Ray reserves per shard (0 = none)")
     num_cpus: int | None = _setting(
         None,

@@ -127,7 +127,8 @@ class KvdCache(DynamicCache):
         for i in range(have, len(keys)):
             k, v = self._arrays(i * self.block_tokens, (i + 1) * self.block_tokens)
             try:
-                self.client.append(self.namespace, keys[i], k, v, offset=0)
+                # position: only the prompt's first block holds the sinks kvd keeps at fp16 (protocol 1.3)
+                self.client.append(self.namespace, keys[i], k, v, offset=0, position=i * self.block_tokens)
             except Conflict:
                 pass  # stored meanwhile by someone else: the same KV
         return len(keys)

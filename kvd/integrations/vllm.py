@@ -39,8 +39,8 @@ and shape, so engines that differ in any of them never share a false hit.
 
 Also: with vLLM's own prefix cache on, only the blocks it lacks are looked up and loaded; requests with
 multimodal inputs or prompt embeddings are neither looked up nor saved (their KV depends on more than the token
-ids). Known cost: kvd protects the first ``sink_tokens`` of every *sequence* at fp16, and each block is a
-sequence, so under the default protection the first page of every block stays fp16 (notes of issue 17).
+ids). Each block is appended with its ``position`` in the prompt (protocol 1.3), so only the prompt's first
+block keeps kvd's sink page at fp16; the others are stored at the level in force.
 
 Only ``kvd.*`` public names, torch and vLLM are imported; ``import kvd`` itself never imports this module.
 """
@@ -78,9 +78,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from kvd.client import Client
+
 log = logging.getLogger(__name__)
 
 Block = tuple[int, str]  # (engine block id, kvd sequence id)
+_LOAD_WINDOW = 4  # block fetches in flight during a load
+SaveBlock = tuple[int, str, int]  # (engine block id, kvd sequence id, the block's first token in the prompt)
 
 
 @dataclass
@@ -88,7 +92,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: blocks to load before the forward, blocks to save after it."""
 
     loads: list[tuple[str, list[Block]]] = field(default_factory=list)
-    saves: list[tuple[str, list[Block]]] = field(default_factory=list)
+    saves: list[tuple[str, list[SaveBlock]]] = field(default_factory=list)
 
 
 @dataclass
@@ -255,7 +259,8 @@ class KvdConnector(KVConnectorBase_V1):
     def _plan_saves(self, req_id: str, st: _Req, meta: KvdConnectorMetadata) -> None:
         full = min(len(st.keys), st.computed // self._bs, len(st.block_ids))
         if full > st.stored:
-            meta.saves.append((req_id, [(st.block_ids[i], st.keys[i]) for i in range(st.stored, full)]))
+            blocks = [(st.block_ids[i], st.keys[i], i * self._bs) for i in range(st.stored, full)]
+            meta.saves.append((req_id, blocks))
             st.stored = full
             st.saving = True
 
@@ -297,31 +302,42 @@ class KvdConnector(KVConnectorBase_V1):
             self._load(blocks)
 
     def _load(self, blocks: list[Block]) -> None:
-        assert self._io is not None
+        """Fetch the blocks, ``_LOAD_WINDOW`` requests in flight, and write each into the engine's cache as soon
+        as it arrives: the shard prepares the next replies while this process writes (the engine waits for
+        the whole load, so the two processes' work overlaps instead of adding up)."""
+        io = self._io
+        assert io is not None
         ns, fmt, t = self.namespace, self._cfg.fmt, self._cfg.timeout_s
-        t0 = time.perf_counter()
+        done: list[int] = [0, 0]  # blocks written (a prefix: after a failure the rest is recomputed), write ns
+
+        def stream(c: Client) -> object:
+            pending = [c.get_nowait(ns, key, format=fmt, timeout_s=t)
+                       for _, key in blocks[:_LOAD_WINDOW]]
+            for j, (block_id, _key) in enumerate(blocks):
+                if j + _LOAD_WINDOW < len(blocks):
+                    pending.append(c.get_nowait(ns, blocks[j + _LOAD_WINDOW][1], format=fmt, timeout_s=t))
+                k, v = pending[j].result()
+                if k.shape[1] != self._bs:
+                    return "short block"
+                w0 = time.perf_counter_ns()
+                io.write([block_id], [k], [v])
+                done[0] += 1
+                done[1] += time.perf_counter_ns() - w0
+            return None
+
+        t0 = time.perf_counter_ns()
+        failed: object
         try:
-            got = self._link.call(lambda c: c.get_many([(ns, key) for _, key in blocks], format=fmt,
-                                                       return_exceptions=True, timeout_s=t))
-        except KvdDown as exc:
-            got = [exc] * len(blocks)
-        good = 0  # blocks load as a prefix: after the first failure the rest is recomputed anyway
-        for r in got:
-            if isinstance(r, BaseException) or r[0].shape[1] != self._bs:
-                break
-            good += 1
-        t1 = time.perf_counter()
-        if good:
-            k = torch.from_numpy(np.stack([got[i][0] for i in range(good)]))
-            v = torch.from_numpy(np.stack([got[i][1] for i in range(good)]))
-            self._io.write([b for b, _ in blocks[:good]], k, v)
-            self.counters["loaded_blocks"] += good
-        self.counters["load_fetch_us"] += int((t1 - t0) * 1e6)  # where a hit's time goes (bench/engines.py)
-        self.counters["load_write_us"] += int((time.perf_counter() - t1) * 1e6)
+            failed = self._link.call(stream)
+        except (KvdDown, KvdError) as exc:  # KvdDown, or a per-item error such as an evicted block
+            failed = exc
+        good, write_ns = done
+        self.counters["loaded_blocks"] += good
+        self.counters["load_fetch_us"] += (time.perf_counter_ns() - t0 - write_ns) // 1000  # bench/engines.py
+        self.counters["load_write_us"] += write_ns // 1000
         if good < len(blocks):
-            failed = got[good]
             log.warning("kvd: %d of %d blocks did not load (%s); vLLM recomputes them", len(blocks) - good,
-                        len(blocks), failed if isinstance(failed, BaseException) else "short block")
+                        len(blocks), failed)
             self.counters["load_failed_blocks"] += len(blocks) - good
             self._load_errors.update(b for b, _ in blocks[good:])
 
@@ -376,7 +392,7 @@ class _Saver:
 
     def __init__(self, link: KvdLink, namespace: str, budget: int, counters: dict[str, int]) -> None:
         self._link, self._ns, self._budget, self._counters = link, namespace, budget, counters
-        self._q: queue.Queue[tuple[str, str, np.ndarray, np.ndarray] | None] = queue.Queue()
+        self._q: queue.Queue[tuple[str, str, int, np.ndarray, np.ndarray] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._bytes = 0
         self._pending: dict[str, int] = {}  # request -> jobs not yet done
@@ -389,7 +405,7 @@ class _Saver:
         self._thread = threading.Thread(target=self._run, name="kvd-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, req_id: str, blocks: Sequence[Block], io: BlockIO) -> None:
+    def submit(self, req_id: str, blocks: Sequence[SaveBlock], io: BlockIO) -> None:
         with self._lock:
             self._seen.add(req_id)
         if self._link.down:  # kvd failed recently: do not copy what cannot be stored
@@ -405,17 +421,18 @@ class _Saver:
                         len(blocks) - len(take))
         if not take:
             return
-        k, v = io.read([b for b, _ in take])  # copy out now: the engine may reuse the blocks after this step
+        k, v = io.read([b for b, _, _ in take])  # copy out now: the engine may reuse the blocks after this step
         with self._lock:
             self._bytes += block_bytes * len(take)
             self._pending[req_id] = self._pending.get(req_id, 0) + len(take)
-        for i, (_, key) in enumerate(take):
-            self._q.put((req_id, key, k[i], v[i]))
+        for i, (_, key, position) in enumerate(take):
+            self._q.put((req_id, key, position, k[i], v[i]))
 
-    def _save(self, job: tuple[str, str, np.ndarray, np.ndarray]) -> None:
-        req_id, key, k, v = job
+    def _save(self, job: tuple[str, str, int, np.ndarray, np.ndarray]) -> None:
+        req_id, key, position, k, v = job
         try:
-            self._link.call(lambda c: c.append(self._ns, key, k, v, offset=0))
+            # position: only the prompt's first block holds the attention sinks that kvd keeps at fp16
+            self._link.call(lambda c: c.append(self._ns, key, k, v, offset=0, position=position))
             self._counters["saved_blocks"] += 1
         except Conflict:
             self._counters["save_existing_blocks"] += 1  # another request or engine stored it first

@@ -13,6 +13,7 @@ neon...) may lay keys out differently and are refused until someone verifies the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,38 +74,43 @@ class BlockIO:
 
     def read(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Blocks as float16 ``(keys, values)``, each ``[N, L, bs, H, D]`` (new arrays, safe to keep after the
-        engine reuses the blocks)."""
+        engine reuses the blocks). Per block: each layer's rows are one contiguous converting copy, then the
+        transposition is done in float16 (see :meth:`write`)."""
         n, h, d, bs = len(block_ids), self.h, self.d, self.bs
         k = np.empty((n, self.num_layers, bs, h, d), np.float16)
         v = np.empty_like(k)
-        tk, tv = torch.from_numpy(k), torch.from_numpy(v)
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        for li, rows in enumerate(self._rows):
-            blk = rows.index_select(0, idx)  # [N, H, 2*bs*D]
-            tk[:, li].copy_(blk[:, :, : bs * d].reshape(n, h, d, bs).permute(0, 3, 1, 2))
-            tv[:, li].copy_(blk[:, :, bs * d:].reshape(n, h, bs, d).permute(0, 2, 1, 3))
+        rows16 = np.empty((self.num_layers, h, 2 * bs * d), np.float16)
+        staged = torch.from_numpy(rows16)
+        for j, b in enumerate(block_ids):
+            for li, rows in enumerate(self._rows):
+                staged[li].copy_(rows[b])
+            np.copyto(k[j], rows16[:, :, : bs * d].reshape(-1, h, d, bs).transpose(0, 3, 1, 2))
+            np.copyto(v[j], rows16[:, :, bs * d:].reshape(-1, h, bs, d).transpose(0, 2, 1, 3))
         return k, v
 
-    def write(self, block_ids: Sequence[int], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``keys``/``values`` ``[N, L, bs, H, D]`` (any float dtype; converted to the cache's) into the
-        blocks ``block_ids``."""
+    def write(self, block_ids: Sequence[int], keys: Sequence[Any], values: Sequence[Any]) -> None:
+        """Write block ``j``'s ``keys[j]``/``values[j]`` ``[L, bs, H, D]`` into engine block ``block_ids[j]``:
+        numpy arrays or tensors of any float dtype (converted to the cache's), e.g. ``[N, L, bs, H, D]`` arrays or
+        a list of the ``[L, bs, H, D]`` arrays kvd's client returned (no stacking needed).
+
+        Per block, the transposition is done first in the source dtype (numpy, half the bytes for float16), then
+        each layer's rows are one contiguous converting copy into the cache. Converting and transposing in one
+        strided torch copy cost 5-10x more, most of all on a busy CPU (BENCHMARKS.md, "Engines")."""
         n, h, d, bs = len(block_ids), self.h, self.d, self.bs
-        want = (n, self.num_layers, bs, h, d)
-        if tuple(keys.shape) != want or tuple(values.shape) != want:
-            raise InvalidArgument(f"blocks of shape {tuple(keys.shape)}/{tuple(values.shape)}, expected {want}")
-        ids = list(block_ids)
-        if ids == list(range(ids[0], ids[0] + n)) if ids else False:
-            # Consecutive blocks (the usual case for a new request): write straight into the cache, two copies
-            # per layer and no staging buffer. Fewer, larger operations matter on a busy CPU.
-            b0 = ids[0]
+        want = (self.num_layers, bs, h, d)
+        if len(keys) != n or len(values) != n:
+            raise InvalidArgument(f"{len(keys)}/{len(values)} key/value blocks for {n} block ids")
+        for j, b in enumerate(block_ids):
+            k, v = _as_numpy(keys[j]), _as_numpy(values[j])
+            if k.shape != want or v.shape != want:
+                raise InvalidArgument(f"block {j}: shape {k.shape}/{v.shape}, expected {want}")
+            kt = torch.from_numpy(np.ascontiguousarray(k.transpose(0, 2, 3, 1)))  # [L, H, D, bs]
+            vt = torch.from_numpy(np.ascontiguousarray(v.transpose(0, 2, 1, 3)))  # [L, H, bs, D]
             for li, rows in enumerate(self._rows):
-                dst = rows[b0:b0 + n]
-                dst[:, :, : bs * d].view(n, h, d, bs).copy_(keys[:, li].permute(0, 2, 3, 1))
-                dst[:, :, bs * d:].view(n, h, bs, d).copy_(values[:, li].permute(0, 2, 1, 3))
-            return
-        idx = torch.as_tensor(ids, dtype=torch.long)
-        out = torch.empty((n, h, 2 * bs * d), dtype=self.dtype)
-        for li, rows in enumerate(self._rows):
-            out[:, :, : bs * d].view(n, h, d, bs).copy_(keys[:, li].permute(0, 2, 3, 1))
-            out[:, :, bs * d:].view(n, h, bs, d).copy_(values[:, li].permute(0, 2, 1, 3))
-            rows.index_copy_(0, idx, out)
+                dst = rows[b]  # [H, 2*bs*D]: keys then values of each head
+                dst[:, : bs * d].copy_(kt[li].view(h, d * bs))
+                dst[:, bs * d:].copy_(vt[li].view(h, bs * d))
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)

@@ -11,7 +11,8 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   the next tokens or released; a sequence whose length is a multiple of P holds no tail.
 * **Sealing.** A full page is encoded with :func:`kvd.pages.encode_into` into a *record* (one ``bytearray``:
   key page, value page, 32-byte history trailer; :mod:`kvd.store.pool`) at the format of the level in force,
-  unless protected: a page holding any of the first ``sink_tokens`` tokens, a page of a ``raw_layers`` layer,
+  unless protected: a page holding any of the prompt's first ``sink_tokens`` tokens (a sequence's token 0 is
+  at prompt position ``position``, given when it is created, default 0), a page of a ``raw_layers`` layer,
   or a page still inside the last ``window_tokens`` tokens stays fp16; ``raw_heads`` stay fp16 inside
   quantized pages. A window page is encoded at the level in force when its last token leaves the window.
 * **Levels.** ``Level.FP16`` seals fp16 pages, ``Level.Q8`` and ``Level.FP8`` both mean the 8-bit rung and seal
@@ -142,7 +143,6 @@ class Store(Compaction, Eviction):
         except InvalidArgument as exc:
             raise ConfigError(f"max_level: {exc}") from None
         self._max_rung = self.max_level.rung
-        self._sink_rows = -(-self.sink_tokens // self.page_tokens)  # rows holding any sink token
         self._lock = threading.RLock()
         self._ns: dict[str, Namespace] = {}
         self._seqs: OrderedDict[tuple[str, SeqId], Seq] = OrderedDict()  # least recently used first
@@ -270,32 +270,49 @@ class Store(Compaction, Eviction):
 
     # ------------------------------------------------------------------------------------------ append
 
-    def append(self, namespace: str, seq_id: SeqId, keys: object, values: object) -> int:
+    def append(
+        self, namespace: str, seq_id: SeqId, keys: object, values: object, *, position: int | None = None
+    ) -> int:
         """Append T tokens: ``keys`` and ``values`` ``[L, T, H, D]`` (all layers; float16, float32 or bfloat16).
         Returns the new length. All or nothing: on any error (shape, dtype, NaN/Inf, out of memory) nothing is
-        stored. T = 0 is a no-op on an existing sequence and refused for a new one."""
+        stored. T = 0 is a no-op on an existing sequence and refused for a new one.
+
+        ``position``: where the sequence's token 0 sits in the prompt it belongs to (default 0). Only the prompt's
+        first ``sink_tokens`` are sinks, so a sequence that starts later (a prompt stored block by block, one
+        sequence per block) gets no sink page. Fixed when the sequence is created; an append that states another
+        position is refused (InvalidArgument)."""
         with self._lock:
             ns = self._namespace(namespace)
             key = (ns.name, seq_id_arg(seq_id))
+            pos = None if position is None else int_arg("position", position, 0, None)
             k16, v16 = store_seq.check_kv(ns, keys, values)
             seq = self._seqs.get(key)
+            if seq is not None and pos is not None and pos != seq.position:
+                raise InvalidArgument(f"sequence {key[1]!r} starts at prompt position {seq.position}, not {pos}; "
+                                      "nothing was written")
             if k16.shape[1] == 0:
                 if seq is None:
                     raise InvalidArgument(f"a new sequence needs at least one token; {key[1]!r} got 0")
             else:
-                seq = self._append(ns, key, seq, k16, v16)
+                seq = self._append(ns, key, seq, k16, v16, pos or 0)
             self._seqs.move_to_end(key)
             self._appends += 1
             return seq.length
 
-    def _loggable(self, ns: Namespace, row: int) -> bool:
+    def _loggable(self, ns: Namespace, row: int, sink_rows: int) -> bool:
         # Protected rows never get compaction; rows sealed at q4 (the top rung) never need it.
-        return row >= self._sink_rows and bool(ns.quant_layers) and sp.RUNG[self._fmt] < 2
+        return row >= sink_rows and bool(ns.quant_layers) and sp.RUNG[self._fmt] < 2
+
+    def _sink_rows_at(self, position: int) -> int:
+        """Rows of a sequence starting at prompt ``position`` that hold any of the prompt's sink tokens."""
+        return -(-(self.sink_tokens - position) // self.page_tokens) if position < self.sink_tokens else 0
 
     def _append(
-        self, ns: Namespace, key: tuple[str, SeqId], seq: Seq | None, k16: np.ndarray, v16: np.ndarray
-    ) -> Seq:
-        p, t, sink_rows = self.page_tokens, k16.shape[1], self._sink_rows
+        self, ns: Namespace, key: tuple[str, SeqId], seq: Seq | None, k16: np.ndarray, v16: np.ndarray,
+        position: int,
+    ) -> Seq:  # fmt: skip
+        p, t = self.page_tokens, k16.shape[1]
+        sink_rows = seq.sink_rows if seq is not None else self._sink_rows_at(position)
         n = seq.length if seq is not None else 0
         n2 = n + t
         f, r0, f2, r2 = n % p, n // p, n2 % p, n2 // p
@@ -320,9 +337,9 @@ class Store(Compaction, Eviction):
 
         def plan() -> tuple[list[store_seq.RowPlan], int]:
             """1. what this append allocates at its peak, at the level in force (nothing is touched yet)"""
-            plans = [self._row_plan(ns, r, out2) for r in rows]
+            plans = [self._row_plan(ns, r, out2, sink_rows) for r in rows]
             need = sum(plan.need for plan in plans)
-            logged = [r for r in range(wd, out2) if self._loggable(ns, r)]
+            logged = [r for r in range(wd, out2) if self._loggable(ns, r, sink_rows)]
             need += sp.ROW_META_BYTES * len(logged)
             need += len(exits) * len(ns.quant_layers) * ns.rec_bytes[self._fmt] if self._fmt != RAW else 0
             need += ns.tail_bytes + sp.TAIL_META_BYTES if new_tail else 0
@@ -388,7 +405,7 @@ class Store(Compaction, Eviction):
 
         # 3. commit (nothing below can fail)
         if seq is None:
-            seq = Seq(ns, key)
+            seq = Seq(ns, key, position, sink_rows)
             self._seqs[key] = seq
             ns.sequences += 1
             self._ledger.meta_bytes += ns.seq_meta
@@ -409,7 +426,7 @@ class Store(Compaction, Eviction):
                 # same format (and so the same record size)
                 rec = seq.pages[q[0]][r]
                 ns.backlog[sp.current_fmt(rec)] += len(rec) * len(q)
-            if self._loggable(ns, r):
+            if self._loggable(ns, r, sink_rows):
                 self._log.add(seq, r)
                 seq.nbytes += sp.ROW_META_BYTES
                 self._ledger.meta_bytes += sp.ROW_META_BYTES
@@ -430,10 +447,10 @@ class Store(Compaction, Eviction):
         self._tokens += t
         return seq
 
-    def _row_plan(self, ns: Namespace, row: int, out_rows: int) -> store_seq.RowPlan:
+    def _row_plan(self, ns: Namespace, row: int, out_rows: int, sink_rows: int) -> store_seq.RowPlan:
         """How a row is sealed: raw if protected (sink; in the window, flagged as held there), else at the level
         in force with raw layers raw."""
-        if row < self._sink_rows:
+        if row < sink_rows:
             return ns.plan(RAW, 0, self._epoch)
         if row >= out_rows:
             return ns.plan(RAW, sp.FLAG_WINDOW, self._epoch)
@@ -587,7 +604,7 @@ class Store(Compaction, Eviction):
         "sealed at level q8 (epoch 3)", "re-compressed to q4 at epoch 5", "raw heads [0] kept fp16"."""
         with self._lock:
             seq = self._sequence(namespace, seq_id)
-            return store_seq.explain(seq, layer, token, self.page_tokens, self._sink_rows)
+            return store_seq.explain(seq, layer, token, self.page_tokens)
 
     def stats(self) -> dict[str, Any]:
         """A consistent snapshot. Bytes: ``used_bytes`` (= ``page_bytes`` + ``tail_bytes`` + ``pool_bytes`` +

@@ -33,7 +33,6 @@ class Eviction:
     _log: store_seq.CompactionLog
     _seqs: OrderedDict[tuple[str, SeqId], Seq]
     _ns_meta: int
-    _sink_rows: int
     _tokens: int
     _evictions: int
     _evicted_tokens: int
@@ -87,7 +86,7 @@ class Eviction:
         seq = self._seqs.pop(key)
         ns = seq.ns
         # one pass tallying (format code -> pages, bytes), then one ledger update: the per-page cost of a drop
-        off, lo, hi = sp.CUR_FMT_FROM_END, self._sink_rows, seq.window_done
+        off, lo, hi = sp.CUR_FMT_FROM_END, seq.sink_rows, seq.window_done
         tally: dict[int, list[int]] = {}
         backlog: dict[int, int] = {}
         give = self._ledger.pool.give_record if pool else None

@@ -188,11 +188,14 @@ class Namespace:
 class Seq:
     """One sequence's page table (see the module docstring). ``nbytes`` is everything it accounts for."""
 
-    __slots__ = ("ns", "key", "length", "pages", "tail", "window_done", "nbytes", "alive", "logged")
+    __slots__ = ("ns", "key", "position", "sink_rows", "length", "pages", "tail", "window_done", "nbytes", "alive",
+                 "logged")
 
-    def __init__(self, ns: Namespace, key: tuple[str, SeqId]) -> None:
+    def __init__(self, ns: Namespace, key: tuple[str, SeqId], position: int = 0, sink_rows: int = 0) -> None:
         self.ns = ns
         self.key = key
+        self.position = position  # where token 0 sits in its prompt (Store.append's ``position``)
+        self.sink_rows = sink_rows  # rows [0, sink_rows) hold some of the prompt's sink tokens: kept fp16
         self.length = 0
         self.pages: list[list[bytearray]] = [[] for _ in range(ns.layers)]
         self.tail: np.ndarray | None = None
@@ -364,9 +367,9 @@ def page_entries(
     return out, frames
 
 
-def explain(seq: Seq, layer: object, token: object, p: int, sink_rows: int) -> dict[str, Any]:
+def explain(seq: Seq, layer: object, token: object, p: int) -> dict[str, Any]:
     """See :meth:`kvd.store.Store.explain`."""
-    ns = seq.ns
+    ns, sink_rows = seq.ns, seq.sink_rows
     i = int_arg("layer", layer, 0, ns.layers - 1)
     tok = int_arg("token", token, 0, seq.length - 1)
     r = tok // p

@@ -167,14 +167,16 @@ class AppendRequest(_Message):
     Arrays are kept as given (a C-contiguous little-endian array is never copied). ``dtype`` is inferred;
     pass it only to send integer arrays holding bfloat16 bit patterns. ``offset``: if set, the server applies
     the append only when the sequence's current length equals it (safe pipelining); else InvalidArgument.
-    ``incarnation`` (protocol 1.3): if set, a shard of another incarnation (it restarted, empty) refuses the
-    append with WrongShard; on the wire only when set.
+    ``position`` (protocol 1.3): where the sequence's token 0 sits in its prompt (Store.append); it is on the
+    wire only when set, so a request without it is the same bytes as in 1.2. ``incarnation`` (protocol 1.3):
+    if set, a shard of another incarnation (it restarted, empty) refuses the append with WrongShard; on the
+    wire only when set.
     """
 
     OP = "append"
     FIELDS = (*_NS_SEQ, ("offset", check_opt_position))
     OPTIONAL = ("offset",)
-    EXTRA_KEYS = ("dtype", "shape", "incarnation")
+    EXTRA_KEYS = ("dtype", "shape", "position", "incarnation")
     FRAMES = 2
     namespace: str
     seq_id: SeqId
@@ -182,23 +184,28 @@ class AppendRequest(_Message):
     values: Any
     offset: int | None = None
     dtype: str | None = None
+    position: int | None = None
     incarnation: str | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
         if not wire:  # a decoded request's arrays were built from the frames with the declared dtype and shape
             check_tensors(self, min_dims=(1, 1, 1, 1), declared=self.dtype)
+            object.__setattr__(self, "position", check_opt_position("position", self.position, InvalidArgument))
             if self.incarnation is not None:
                 check_short_text("incarnation", self.incarnation, InvalidArgument)
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        header: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.keys.shape)}
+        extra: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.keys.shape)}
+        if self.position is not None:
+            extra["position"] = self.position
         if self.incarnation is not None:
-            header["incarnation"] = self.incarnation
-        return header, [tensor_frame(self.keys), tensor_frame(self.values)]
+            extra["incarnation"] = self.incarnation
+        return extra, [tensor_frame(self.keys), tensor_frame(self.values)]
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
         out = tensors_from_wire(header, frames, min_dims=(1, 1, 1, 1), dtypes=tuple(DTYPES))
+        out["position"] = check_opt_position("position", header.get("position"), ProtocolError)
         value = header.get("incarnation")
         if value is not None:
             out["incarnation"] = check_short_text("incarnation", value, ProtocolError)

@@ -588,7 +588,7 @@ class ShardServer(_RouterServer):
         if req.dtype == "bfloat16":  # the wire carries bit patterns; the store takes float16
             keys = pages.bf16_bits_to_f16(keys.view(np.uint16), "keys")
             values = pages.bf16_bits_to_f16(values.view(np.uint16), "values")
-        length = store.append(req.namespace, req.seq_id, keys, values)
+        length = store.append(req.namespace, req.seq_id, keys, values, position=req.position)
         # the server's own replies from the store's results are valid by construction: no second check
         return p.AppendReply.trusted(request_id=req.request_id, length=int(length))
 

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # no
 
 from kvd.client import Client  # noqa: E402
 from kvd.errors import UnknownSequence  # noqa: E402
+from kvd.integrations import prefix  # noqa: E402
 from kvd.integrations.transformers import KvdCache  # noqa: E402
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
@@ -98,6 +99,9 @@ def test_a_stored_prompt_prefix_is_loaded_instead_of_recomputed(model: tuple[Any
         m(a, past_key_values=writer, use_cache=True)  # prefill only
     stored = writer.save_prefix(a)
     assert stored == a.shape[1] // writer.block_tokens >= 2
+    keys = prefix.block_keys(a[0].tolist(), writer.block_tokens)  # only the prompt's first block has sinks
+    assert "sink" in client.explain(writer.namespace, keys[0], 0, 0)["reasons"]
+    assert "sink" not in client.explain(writer.namespace, keys[1], 0, 0)["reasons"]
 
     reader = KvdCache.for_prompt(client, m.config, b)
     shared = next(i for i in range(min(a.shape[1], b.shape[1])) if a[0, i] != b[0, i])

@@ -117,9 +117,13 @@ def test_stored_blocks_are_the_models_own_keys_and_values(first: dict[str, Any],
     from kvd.integrations import prefix
 
     ids = first["miss"]["prompt_ids"]
-    key = prefix.block_keys(ids, BLOCK)[0]
+    keys = prefix.block_keys(ids, BLOCK)
+    key = keys[0]
     with Client(server.endpoint) as kv:
         k, v = kv.get(first["namespace"], key)  # [L, 128, H, D] float16
+        # each block was stored at its position in the prompt: only the prompt's first block has a sink page
+        assert "sink" in kv.explain(first["namespace"], keys[0], 0, 0)["reasons"]
+        assert all("sink" not in kv.explain(first["namespace"], kb, 0, 0)["reasons"] for kb in keys[1:3])
     model = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32)
     with torch.no_grad():
         cache = model(torch.tensor([ids[:BLOCK]]), use_cache=True).past_key_values

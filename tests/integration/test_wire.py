@@ -514,8 +514,22 @@ def test_lengths_of_many_sequences_cost_one_request_per_shard(two_shards: list[S
         assert asyncio.run(lookup()) == got[:10]
 
 
+def test_an_append_states_its_prompt_position_so_a_block_gets_no_sink_page(q4_shard: ServerProcess) -> None:
+    k, v = kv(tokens=130)
+    with Client(q4_shard.endpoint, timeout_s=10) as c:
+        c.register("blocks", **LAYOUT)
+        c.append("blocks", "first", k[:, :128], v[:, :128])  # a prompt's first block: its sinks stay fp16
+        c.append("blocks", "second", k[:, :128], v[:, :128], position=128, offset=0)
+        first, second = c.explain("blocks", "first", 0, 0), c.explain("blocks", "second", 0, 0)
+        assert first["level"] == "fp16" and "sink" in first["reasons"]
+        assert second["level"] == "q4" and "sink" not in second["reasons"]
+        with pytest.raises(InvalidArgument, match="starts at prompt position 128, not 0"):
+            c.append("blocks", "second", k[:, 128:], v[:, 128:], position=0)
+        assert c.length("blocks", "second") == 128
+
+
 def _old_shard(router: zmq.Socket[Any], store: Store, seen: list[str], stop: threading.Event) -> None:
-    """A shard of protocol 1.1: it knows no lengths operation."""
+    """A shard of protocol 1.1: it knows no lengths operation and no append position."""
     while not stop.is_set():
         if not router.poll(50):
             continue
@@ -531,6 +545,12 @@ def _old_shard(router: zmq.Socket[Any], store: Store, seen: list[str], stop: thr
                 reply = p.LengthReply(request_id=req.request_id, length=store.length(req.namespace, req.seq_id))
             except UnknownSequence as exc:
                 reply = p.error_reply(req.request_id, exc)
+        elif isinstance(req, p.AppendRequest):
+            if "position" in msgpack.unpackb(frames[0]):  # unknown keys are errors before 1.3
+                reply = p.error_reply(req.request_id, ProtocolError("append: unknown header keys ['position']"))
+            else:
+                reply = p.AppendReply(request_id=req.request_id,
+                                      length=store.append(req.namespace, req.seq_id, req.keys, req.values))
         else:
             reply = p.error_reply(getattr(req, "request_id", None), ProtocolError("unknown op"))
         router.send_multipart([ident, *p.encode_reply(reply)])
@@ -552,7 +572,8 @@ def test_lengths_from_a_server_before_protocol_1_2_come_from_pipelined_length_re
     try:
         with Client(f"tcp://127.0.0.1:{port}", timeout_s=5) as c:
             assert c.lengths(NS, ["a", "b", "a"]) == [3, None, 3]
-        assert "lengths" not in seen and seen.count("length") == 3
+            assert c.append(NS, "blk", k, v, position=64) == 3  # left out for a server before 1.3
+        assert "lengths" not in seen and seen.count("length") == 3 and seen.count("append") == 1
     finally:
         stop.set()
         thread.join(5)

@@ -117,6 +117,9 @@ def examples() -> dict[str, Any]:
         "append_request_bfloat16": p.AppendRequest(request_id=5, namespace="m", seq_id=0,
                                                    keys=tensor((1, 1, 2, 2), "bfloat16"),
                                                    values=tensor((1, 1, 2, 2), "bfloat16", -2.0)),
+        "append_request_position": p.AppendRequest(request_id=19, namespace="m", seq_id="block-1", offset=0,
+                                                   position=128, keys=tensor((1, 1, 1, 2), "float16"),
+                                                   values=tensor((1, 1, 1, 2), "float16", 1.0)),
         "append_reply": p.AppendReply(request_id=3, length=3),
         "get_request_default": p.GetRequest(request_id=6, namespace="smollm2", seq_id="req-42"),
         "get_request_pages": p.GetRequest(request_id=8, namespace="smollm2", seq_id=17, start=64, end=200,
@@ -306,9 +309,10 @@ MESSAGES: dict[str, Any] = {
     "ping_request": st.builds(p.PingRequest, request_id=request_ids),
     "register_request": st.builds(p.RegisterRequest, request_id=request_ids, namespace=namespaces,
                                   num_layers=dims, num_kv_heads=dims, head_dim=dims),
-    "append_request": st.builds(lambda rid, ns, seq, off, kv: p.AppendRequest(
-        request_id=rid, namespace=ns, seq_id=seq, offset=off, keys=kv[0], values=kv[1]),
-        request_ids, namespaces, seq_ids, st.one_of(st.none(), positions), tensor_pair()),
+    "append_request": st.builds(lambda rid, ns, seq, off, pos, kv: p.AppendRequest(
+        request_id=rid, namespace=ns, seq_id=seq, offset=off, position=pos, keys=kv[0], values=kv[1]),
+        request_ids, namespaces, seq_ids, st.one_of(st.none(), positions), st.one_of(st.none(), positions),
+        tensor_pair()),
     "get_request": get_requests(),
     "drop_request": st.builds(p.DropRequest, request_id=request_ids, namespace=namespaces, seq_id=seq_ids),
     "length_request": st.builds(p.LengthRequest, request_id=request_ids, namespace=namespaces, seq_id=seq_ids),
@@ -371,6 +375,23 @@ def test_error_reply_from_a_foreign_exception_and_truncation() -> None:
     assert len(long.message.encode()) <= p.MAX_ERROR_MESSAGE_BYTES and long.message.endswith("...")
     assert p.error_reply(-3, InvalidArgument("x")).request_id is None
     assert type(p.ErrorReply(request_id=1, code=999, error="Future", message="m").exception()) is KvdError
+
+
+def test_an_append_without_position_is_the_same_bytes_as_in_1_2_and_a_bad_position_is_refused() -> None:
+    k = tensor((1, 1, 1, 2), "float16")
+    plain = as_bytes(encode(p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k, values=k)))
+    assert b"position" not in plain[0]  # a 1.2 server (unknown keys are errors) is sent what it knows
+    with_pos = as_bytes(encode(p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k, values=k,
+                                               position=64)))
+    assert msgpack.unpackb(with_pos[0])["position"] == 64
+    assert decode(with_pos).position == 64 and decode(plain).position is None
+    with pytest.raises(InvalidArgument, match="position must be >= 0"):
+        p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k, values=k, position=-1)
+    header = msgpack.unpackb(with_pos[0])
+    for bad, err in ((-3, InvalidArgument), ("64", ProtocolError), (1.5, ProtocolError)):
+        header["position"] = bad
+        with pytest.raises(err, match="position"):
+            p.decode_request([packb(header), *with_pos[1:]])
 
 
 # ---- zero copy -----------------------------------------------------------------------------------------------

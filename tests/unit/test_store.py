@@ -330,6 +330,50 @@ def test_sink_tokens_protect_every_page_they_touch(sink: int, raw_pages: int) ->
     assert page_formats(s, 1) == ["fp16"] * raw_pages + ["q8"] * (4 - raw_pages)
 
 
+@pytest.mark.parametrize(
+    ("sink", "position", "raw_pages"),
+    [(4, 0, 1), (4, 3, 1), (4, 4, 0), (4, 128, 0), (65, 1, 1), (65, 64, 1), (65, 65, 0), (130, 64, 2)],
+)
+def test_sinks_are_the_prompts_first_tokens_not_every_sequences(sink: int, position: int, raw_pages: int) -> None:
+    # A prompt stored block by block (one sequence per block, as the vLLM connector does) states where each
+    # block starts; only pages holding some of the prompt's first sink_tokens stay fp16.
+    s = store(layers=1, sink_tokens=sink)
+    s.set_level("q8", 1)
+    k, v = kv(1, 256, 3, 64)
+    s.append(NS, 1, k, v, position=position)
+    assert page_formats(s, 1) == ["fp16"] * raw_pages + ["q8"] * (4 - raw_pages)
+    assert ("sink" in s.explain(NS, 1, 0, 0)["reasons"]) == (raw_pages > 0)
+    s.append(NS, 1, k[:, :64], v[:, :64], position=position)  # the same position again: accepted
+    s.append(NS, 1, k[:, :64], v[:, :64])  # no position: the sequence keeps its own
+    assert page_formats(s, 1) == ["fp16"] * raw_pages + ["q8"] * (6 - raw_pages)
+
+
+def test_a_sequence_keeps_the_position_it_was_created_with() -> None:
+    s = store(layers=1, sink_tokens=4)
+    k, v = kv(1, 100, 3, 64)
+    s.append(NS, 1, k[:, :70], v[:, :70], position=128)
+    with pytest.raises(InvalidArgument, match="starts at prompt position 128, not 0"):
+        s.append(NS, 1, k[:, 70:], v[:, 70:], position=0)
+    assert s.length(NS, 1) == 70  # nothing was written
+    with pytest.raises(InvalidArgument, match="position"):
+        s.append(NS, 2, k, v, position=-1)
+    with pytest.raises(UnknownSequence):
+        s.length(NS, 2)
+
+
+def test_a_block_stored_at_its_prompt_position_takes_less_memory() -> None:
+    # What the connector's blocks gain: a 128-token block at q4 with its first page fp16 costs about 1.6x one
+    # stored at its position in the prompt.
+    sizes = []
+    for position in (0, 128):
+        s = store(layers=4, sink_tokens=4)
+        s.set_level("q4", 1)
+        k, v = kv(4, 128, 3, 64)
+        s.append(NS, 1, k, v, position=position)
+        sizes.append(s.stats()["page_bytes"])
+    assert sizes[1] < 0.7 * sizes[0]
+
+
 def test_window_pages_stay_fp16_and_are_encoded_once_when_they_age_out() -> None:
     s = store(layers=1, window_tokens=128, sink_tokens=0)
     s.set_level("q8", 1)

@@ -98,7 +98,11 @@ class StoreModel(RuleBasedStateMachine):
             assert self.level.rung < ahead.rung <= self.max_rung, (after, self.level)
             if self.ahead is not None:
                 assert ahead.rung >= self.ahead.rung
-            self.fmt_epochs.setdefault(self.store.format_for(ahead), set()).add(self.epoch)
+            # a squeeze climbs one rung at a time, re-encoding pages at every rung it passes (oldest first):
+            # a page may stay at an intermediate rung once the append fit
+            for rung in range(self.in_force().rung + 1, ahead.rung + 1):
+                self.fmt_epochs.setdefault(self.store.format_for(self.store._rung_level(rung)), set()).add(
+                    self.epoch)
         else:
             assert self.ahead is None
         self.ahead = ahead
