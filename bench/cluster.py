@@ -15,18 +15,27 @@ coordinator's decision, to every shard confirming the new epoch, and to used byt
 threshold (re-compression), from the coordinator's level history (CLOCK_MONOTONIC, shared by all processes of
 the machine). A negative "decision" can happen: the coordinator may see a report before the bench's next poll.
 Medians over ``--repeats`` runs.
+
+Part 3, decode-step latency under mixed load (issue 19; ``--decode-only`` runs just this part). A 2-shard kvd
+(``--shards``); one client appends decode steps (one token, all layers, 7B-class layout: 128 KiB) to 8 sequences
+in rotation, one at a time, while ``--clients`` other client processes each loop: append a 512-token prefill
+chunk (64 MiB) to a sequence of their own, read it back whole, drop it. Rounds of ``--decode-seconds`` alternate
+quiet (the decode client alone) and loaded; reported per round and as the median over rounds of each kind:
+decode-step append latency p50 / p99 / p999, and the prefill clients' chunks per second.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing as mp
 import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -143,6 +152,123 @@ def _settled(deployment: object, level: str) -> bool:
     return bool(changes) and changes[-1]["applied_at"] is not None and changes[-1]["relieved_at"] is not None
 
 
+DECODE_SEQS = 8
+DECODE_MAX_TOKENS = 256  # a decode sequence is dropped and started again at this length (32 MiB)
+
+
+def _prefill_worker(endpoint: str, ns: str, index: int, chunk_tokens: int, go: Any, stop: Any, done: Any,
+                    failed: Any) -> None:
+    """A client process: while ``go`` is set, append a ``chunk_tokens`` prefill chunk, read it back, drop it
+    (errors are counted in ``failed`` and the loop goes on)."""
+    from kvd.client import Client
+
+    layout = LAYOUTS["7b"]
+    shape = (layout.num_layers, chunk_tokens, layout.num_kv_heads, layout.head_dim)
+    k = np.random.default_rng(index).standard_normal(shape, dtype=np.float32).astype(np.float16)
+    with Client(endpoint, timeout_s=120.0) as client:
+        i = 0
+        while not stop.is_set():
+            if not go.wait(0.1):
+                continue
+            seq = f"prefill-{index}-{i}"
+            i += 1
+            try:
+                client.append(ns, seq, k, k)
+                client.get(ns, seq)
+                client.drop(ns, seq)
+            except Exception:  # noqa: BLE001 - counted and reported by the bench
+                with failed.get_lock():
+                    failed.value += 1
+                continue
+            with done.get_lock():
+                done.value += 1
+
+
+def _decode_latency(args: argparse.Namespace) -> None:
+    from kvd.client import Client
+
+    ns = "bench-decode"
+    layout = LAYOUTS["7b"]
+    config = load_config(env={}, overrides={
+        "cluster.namespace": ns, "cluster.port": 0, "cluster.shards": args.shards,
+        "cluster.memory_bytes": args.memory, "cluster.shard_cpus": 0, "store.eviction": "lru",
+    })
+    deployment = deploy(config)
+    ctx = mp.get_context("spawn")
+    go, stop, done, failed = ctx.Event(), ctx.Event(), ctx.Value("l", 0), ctx.Value("l", 0)
+    workers = [ctx.Process(target=_prefill_worker, args=(deployment.endpoint, ns, i, args.prefill, go, stop, done,
+                                                         failed), daemon=True) for i in range(args.clients)]
+    rows: list[tuple[int, str, dict[str, float]]] = []
+    try:
+        with Client(deployment.endpoint, timeout_s=60.0) as client:
+            client.register(ns, num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                            head_dim=layout.head_dim)
+            for w in workers:
+                w.start()
+            shape = (layout.num_layers, 1, layout.num_kv_heads, layout.head_dim)
+            step = np.random.default_rng(99).standard_normal(shape, dtype=np.float32).astype(np.float16)
+            lengths = dict.fromkeys(range(DECODE_SEQS), 0)
+            for s in lengths:
+                client.append(ns, f"decode-{s}", step, step)
+                lengths[s] = 1
+            print(f"\n## Decode-step latency under mixed load: {args.shards} shards, 7B-class layout, one token "
+                  f"all layers ({step.nbytes * 2 >> 10} KiB) per append; loaded = {args.clients} other clients "
+                  f"each appending {args.prefill}-token chunks ({step.nbytes * 2 * args.prefill >> 20} MiB), "
+                  "reading them back and dropping them\n")
+            print("| round | load | decode appends | p50 ms | p99 ms | p999 ms | max ms | prefill chunks/s |")
+            print("|---|---|---|---|---|---|---|---|")
+            for rnd in range(2 * args.decode_rounds):
+                loaded = rnd % 2 == 1
+                if loaded:
+                    go.set()
+                    time.sleep(1.0)  # the prefill clients are under way
+                before = done.value
+                lat: list[float] = []
+                t_round = time.perf_counter()
+                t_end = t_round + args.decode_seconds
+                i = 0
+                while time.perf_counter() < t_end:
+                    s = i % DECODE_SEQS
+                    i += 1
+                    if lengths[s] >= DECODE_MAX_TOKENS:
+                        client.drop(ns, f"decode-{s}")
+                        lengths[s] = 0
+                    t0 = time.perf_counter()
+                    client.append(ns, f"decode-{s}", step, step)
+                    lat.append(time.perf_counter() - t0)
+                    lengths[s] += 1
+                chunks_per_s = (done.value - before) / (time.perf_counter() - t_round)
+                go.clear()
+                a = np.array(lat)
+                r = {"n": len(a), "p50": np.percentile(a, 50) * 1e3, "p99": np.percentile(a, 99) * 1e3,
+                     "p999": np.percentile(a, 99.9) * 1e3, "max": a.max() * 1e3, "chunks": chunks_per_s}
+                kind = "loaded" if loaded else "quiet"
+                rows.append((rnd, kind, r))
+                print(f"| {rnd} | {kind} | {r['n']} | {r['p50']:.2f} | {r['p99']:.2f} | {r['p999']:.2f} | "
+                      f"{r['max']:.1f} | {r['chunks']:.1f} |", flush=True)
+                if loaded:
+                    time.sleep(2.0)  # the prefill clients finish their chunk in progress
+            for kind in ("quiet", "loaded"):
+                sel = [r for _, k, r in rows if k == kind]
+                med = {key: statistics.median(r[key] for r in sel) for key in ("n", "p50", "p99", "p999", "max",
+                                                                                "chunks")}
+                print(f"| median | {kind} | {med['n']:.0f} | {med['p50']:.2f} | {med['p99']:.2f} | "
+                      f"{med['p999']:.2f} | {med['max']:.1f} | {med['chunks']:.1f} |")
+            shards = [st for st in client.shard_stats() if "server_requests" in st]
+            counters = {key: sum(int(st.get(f"server_{key}", 0)) for st in shards)
+                        for key in ("busy", "replies_dropped", "peers_cut")}
+            print(f"\nfailed prefill chunks: {failed.value}; the shards' busy replies {counters['busy']}, "
+                  f"replies dropped {counters['replies_dropped']}, peers cut {counters['peers_cut']}")
+    finally:
+        stop.set()
+        go.set()
+        for w in workers:
+            w.join(30)
+            if w.is_alive():
+                w.kill()
+        teardown(ns)
+
+
 def _wire_bench(args: argparse.Namespace) -> None:
     wire = REPO / "bench" / "wire.py"
     if not wire.exists():
@@ -163,10 +289,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--interval", type=float, default=0.1, help="report interval of the control part")
     parser.add_argument("--no-wire", action="store_true", help="skip bench/wire.py")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only part 3: decode-step latency while other clients prefill and read")
+    parser.add_argument("--decode-seconds", type=float, default=None, help="length of one round of part 3")
+    parser.add_argument("--decode-rounds", type=int, default=None, help="rounds of each kind (quiet, loaded)")
     args = parser.parse_args()
     args.seconds = args.seconds or (3.0 if args.quick else 15.0)
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.prefill, args.decode = 512, 32
+    args.decode_seconds = args.decode_seconds or (3.0 if args.quick else 10.0)
+    args.decode_rounds = args.decode_rounds or (1 if args.quick else 3)
     if args.quick:
         args.clients = min(args.clients, 2)
     import ray
@@ -175,11 +307,13 @@ def main() -> None:
              logging_level=logging.WARNING, log_to_driver=False)
     try:
         print(f"# kvd cluster bench ({'quick' if args.quick else 'full'}), {os.cpu_count()} CPUs")
-        _throughput(args)
-        _control_latency(args)
+        if not args.decode_only:
+            _throughput(args)
+            _control_latency(args)
+        _decode_latency(args)
     finally:
         ray.shutdown()
-    if not args.no_wire:
+    if not args.no_wire and not args.decode_only:
         _wire_bench(args)
 
 

@@ -1,7 +1,9 @@
-"""The data path over tcp://127.0.0.1, server in another process: raw pyzmq vs kvd vs Redis (issue 4).
+"""The data path over tcp://127.0.0.1, server in another process: raw pyzmq vs kvd vs Redis, LMCache's server
+and Mooncake Store (issues 4 and 19).
 
-    python bench/wire.py            # full run (about a minute)
+    python bench/wire.py            # full run (a few minutes; the first one also installs the peers)
     python bench/wire.py --quick    # smoke run
+    python bench/wire.py --no-redis --no-lmcache --no-mooncake   # kvd and raw pyzmq only
     python bench/wire.py --frames   # only what the number of frames costs (raw pyzmq, same bytes)
     python bench/wire.py --packed   # pages of a 32-layer 7B-class sequence: packed (1.1) vs a frame per page (1.0)
 
@@ -13,9 +15,26 @@ For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in f
   payload is both tensors together) to one of 32 sequences in rotation, and ``get`` (format fp16) of a
   stored sequence of exactly the payload's size.
 * **redis**: redis-server (installed with apt-get if missing, run on a free loopback port with persistence
-  off, stopped after) through redis-py: SET and GET of the same bytes; 8 in flight is a pipeline of 8.
+  off, stopped after) through redis-py with hiredis (pip-installed into this venv if missing): SET and GET of
+  the same bytes; 8 in flight is a pipeline of 8.
 * **pages q4**: ``get(format="pages")`` from a second kvd server whose store is at level q4, decoded on the
   client with kvd.pages.assemble, in fp16-equivalent GB/s (the bytes of the fp16 result), against raw get.
+* **lmcache**: LMCache's standalone server (``lmcache_server HOST PORT cpu``, PyPI ``lmcache``; it installs and
+  serves without CUDA) over its own TCP protocol, from a client in this process that speaks it as LMCache's
+  remote connector does (a 186-byte header, then the bytes; get reads the reply into a buffer allocated once).
+  Its put has no reply, so a put is timed up to the reply of a HEALTH request sent after it (the server handles
+  a connection's requests in order); 8 in flight is 8 requests sent before the replies are read.
+* **mooncake**: Mooncake Store (PyPI ``mooncake-transfer-engine-non-cuda``, Debian ``libibverbs1``):
+  ``mooncake_master`` and a ``mooncake_client`` storage node holding the pool (standalone-store mode, the
+  deployment comparable to a kvd server), ``P2PHANDSHAKE`` metadata, TCP transport; the client is
+  ``MooncakeDistributedStore`` in a worker process (it needs the peers' venv) that times each batch itself:
+  ``upsert_from`` / ``get_into`` from and into registered buffers (its zero-copy calls); 8 in flight is one
+  ``batch_upsert_from`` / ``batch_get_into`` of 8 keys.
+
+LMCache and Mooncake need torch (the CPU build) and their own dependencies, so they live in a venv of their own,
+``.venv-peers`` next to ``.venv`` (``$KVD_PEERS_VENV``), which the bench creates and fills on first use (pip,
+plus ``apt-get install libibverbs1`` for Mooncake; a few minutes, once). A peer that cannot be installed or
+started is reported and left out; the others still run. Every peer is started by the bench and stopped after.
 
 Every process (servers and this one, which runs all the clients) recycles large buffers
 (kvd.wire.server.tune_malloc, what a ShardServer does by default): without it, fresh buffers cost a page
@@ -29,6 +48,7 @@ Targets (issue 4): kvd >= 0.8x raw at every size; kvd >= 2x Redis at 1 MiB; page
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -50,7 +70,10 @@ import zmq  # noqa: E402
 from kvd.client import Client  # noqa: E402
 from kvd.wire.server import tune_malloc  # noqa: E402
 
-SIZES = {"4 KiB": 4 << 10, "64 KiB": 64 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20}
+SIZES = {"4 KiB": 4 << 10, "64 KiB": 64 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "32 MiB": 32 << 20}
+REPO = Path(__file__).resolve().parents[1]
+PEERS_VENV = Path(os.environ.get("KVD_PEERS_VENV", str(REPO / ".venv-peers")))
+PEERS_PACKAGES = ("torch==2.13.0", "lmcache", "mooncake-transfer-engine-non-cuda")  # torch: the CPU build on disk
 LAYERS, HEADS, DIM = 1, 8, 128
 TOKEN_BYTES = 2 * LAYERS * HEADS * DIM * 2  # keys + values, fp16
 NS = "bench"
@@ -134,9 +157,10 @@ def start_redis() -> tuple[Any, int] | None:
         subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=False, capture_output=True)
         exe = shutil.which("redis-server")
     try:
+        import hiredis  # noqa: F401  (redis-py parses replies with it when it is installed)
         import redis  # noqa: F401
     except ImportError:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "redis"], check=False)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "redis", "hiredis"], check=False)
     if exe is None:
         print("redis-server unavailable: Redis columns skipped")
         return None
@@ -161,7 +185,7 @@ def start_redis() -> tuple[Any, int] | None:
 # ------------------------------------------------------------------------------------------------ timing
 
 
-def measure(batches: dict[str, Callable[[], None]], n: int, budget_s: float) -> dict[str, float]:
+def measure(batches: dict[str, Callable[[], Any]], n: int, budget_s: float) -> dict[str, float]:
     """Median seconds per request of each batch of ``n`` requests. The variants run in interleaved rounds, so
     a change in the machine's load (it is shared) hits all of them alike."""
     for batch in batches.values():
@@ -174,8 +198,8 @@ def measure(batches: dict[str, Callable[[], None]], n: int, budget_s: float) -> 
             done = 0
             while done < 2 or (time.perf_counter() < t_end and done < 400):
                 t0 = time.perf_counter()
-                batch()
-                times[name].append((time.perf_counter() - t0) / n)
+                own = batch()  # a batch run in another process returns its own time
+                times[name].append((own if own is not None else time.perf_counter() - t0) / n)
                 done += 1
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -205,7 +229,7 @@ def kv(tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return k, (k * -0.5).astype(np.float16)
 
 
-Batch = Callable[[], None]
+Batch = Callable[[], Any]  # None, or its own time in seconds (a batch run in another process)
 
 
 def kvd_batches(client: Client, getter: Client, size: int, n: int) -> tuple[Batch, Batch]:
@@ -292,6 +316,271 @@ def redis_batches(port: int, size: int, n: int) -> tuple[Callable[[], None], Cal
     return put, get
 
 
+# ------------------------------------------------------------------------------------------------ peers
+
+
+def peers_python() -> Path | None:
+    """The python of the peers' venv, created and filled if needed (None, with the reason printed, if not)."""
+    py = PEERS_VENV / "bin" / "python"
+    check = "import lmcache.v1.server.__main__, mooncake.store"
+    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
+        return py
+    print(f"installing LMCache and Mooncake Store into {PEERS_VENV} (once; a few minutes) ...", file=sys.stderr,
+          flush=True)
+    if not py.exists():
+        base = getattr(sys, "_base_executable", None) or shutil.which("python3") or sys.executable
+        subprocess.run([base, "-m", "venv", str(PEERS_VENV)], check=False)
+    if not Path("/usr/lib/x86_64-linux-gnu/libibverbs.so.1").exists():
+        subprocess.run(["apt-get", "install", "-y", "-qq", "libibverbs1"], check=False, capture_output=True)
+    r = subprocess.run([str(py), "-m", "pip", "install", "-q", *PEERS_PACKAGES], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"could not install the peers ({r.stderr.strip()[-400:]}): LMCache and Mooncake skipped")
+        return None
+    r = subprocess.run([str(py), "-c", check], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"the peers do not import ({r.stderr.strip()[-400:]}): LMCache and Mooncake skipped")
+        return None
+    return py
+
+
+def wait_port(port: int, proc: Any, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class LMCache:
+    """LMCache's standalone server (its own process, from the peers' venv) and a client of its protocol
+    (lmcache.v1.protocol: ClientMetaMessage "9 int32 + 150-byte key", ServerMetaMessage "9 int32")."""
+
+    KEY_BYTES = 150
+    PUT, GET, HEALTH = 1, 2, 5  # ClientCommand
+    BINARY_FMT, UINT8 = 4, 6  # a bytes object: MemoryFormat.BINARY and dtype uint8, shape [n, 0, 0, 0]
+
+    def __init__(self, py: Path) -> None:
+        import struct
+
+        self.struct = struct
+        self.port = free_port()
+        exe = py.with_name("lmcache_server")
+        self.proc = subprocess.Popen([str(exe), "127.0.0.1", str(self.port), "cpu"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        if not wait_port(self.port, self.proc, 120):
+            self.stop()
+            raise RuntimeError("lmcache_server did not start")
+        self.bufs: dict[int, bytearray] = {}
+        self.fmt = self.BINARY_FMT  # MemoryFormat.BINARY (4): raw bytes of shape [n, 0, 0, 0]
+        try:
+            self.sock = socket.create_connection(("127.0.0.1", self.port))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._put(self.key(64), b"x" * 64)
+            if not self._get(self.key(64), 64):
+                raise RuntimeError("lmcache_server did not return what was put")
+        except BaseException:
+            self.stop()  # the server process must not outlive a failed start
+            raise
+
+    def _header(self, cmd: int, key: bytes, length: int) -> bytes:
+        shape = (length, 0, 0, 0)
+        return self.struct.pack(f"iiiiiiiii{self.KEY_BYTES}s", cmd, length, self.fmt, self.UINT8, 0, *shape,
+                                key.ljust(self.KEY_BYTES))
+
+    @staticmethod
+    def key(size: int) -> bytes:
+        return f"bench@1@0@{size:x}@half".encode()
+
+    def _put(self, key: bytes, data: bytes) -> None:
+        self.sock.sendall(self._header(self.PUT, key, len(data)))
+        self.sock.sendall(data)
+
+    def _recv_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionError("lmcache_server closed the connection")
+            got += k
+
+    def _reply(self) -> int:
+        head = bytearray(36)
+        self._recv_into(memoryview(head))
+        code, length = self.struct.unpack_from("ii", head)
+        return length if code == 200 else -1
+
+    def _health(self) -> None:
+        self.sock.sendall(self._header(self.HEALTH, b"bench@1@0@0@half", 0))
+        self._reply()
+
+    def _get(self, key: bytes, size: int) -> bool:
+        self.sock.sendall(self._header(self.GET, key, 0))
+        length = self._reply()
+        if length < 0:
+            return False
+        buf = self.bufs.setdefault(size, bytearray(max(size, length)))
+        self._recv_into(memoryview(buf)[:length])
+        return True
+
+    def batches(self, size: int, n: int) -> tuple[Batch, Batch]:
+        data = os.urandom(size)
+        key = self.key(size)
+        self._put(key, data)
+        self._health()
+        get_head = self._header(self.GET, key, 0)
+
+        def put() -> None:
+            for _ in range(n):
+                self._put(key, data)
+            self._health()  # the puts are stored once this is answered
+
+        def get() -> None:
+            self.sock.sendall(get_head * n)
+            buf = memoryview(self.bufs.setdefault(size, bytearray(size)))
+            for _ in range(n):
+                length = self._reply()
+                assert length == size, length
+                self._recv_into(buf[:length])
+
+        return put, get
+
+    def stop(self) -> None:
+        if hasattr(self, "sock"):
+            self.sock.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+MOONCAKE_WORKER = r"""
+import ctypes, json, sys, time
+import numpy as np
+from mooncake.store import MooncakeDistributedStore
+cfg = json.loads(sys.argv[1])
+store = MooncakeDistributedStore()
+rc = store.setup(cfg["host"], "P2PHANDSHAKE", 0, cfg["buffer"], "tcp", "", cfg["master"])
+print(json.dumps({"setup": rc}), flush=True)
+bufs = {}
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if cmd["op"] == "prepare":
+        size, n = cmd["size"], cmd["n"]
+        if (size, n) not in bufs:
+            src = np.frombuffer(np.random.default_rng(size).bytes(size), np.uint8).copy()
+            dst = np.empty(size * n, np.uint8)
+            for a in (src, dst):
+                store.register_buffer(a.ctypes.data, a.nbytes)
+            keys = [f"k{size}-{i}" for i in range(n)]
+            bufs[(size, n)] = (src, dst, keys)
+            for k in keys:
+                store.upsert_from(k, src.ctypes.data, size)
+        print(json.dumps({"ok": True}), flush=True)
+    elif cmd["op"] == "run":
+        size, n, what = cmd["size"], cmd["n"], cmd["what"]
+        src, dst, keys = bufs[(size, n)]
+        t0 = time.perf_counter()
+        if what == "put":
+            if n == 1:
+                rc = store.upsert_from(keys[0], src.ctypes.data, size)
+            else:
+                rc = min(store.batch_upsert_from(keys, [src.ctypes.data] * n, [size] * n) or [0])
+        else:
+            if n == 1:
+                rc = store.get_into(keys[0], dst.ctypes.data, size)
+                rc = 0 if rc == size else rc
+            else:
+                got = store.batch_get_into(keys, [dst.ctypes.data + i * size for i in range(n)], [size] * n)
+                rc = 0 if all(g == size for g in got) else min(got)
+        dt = time.perf_counter() - t0
+        print(json.dumps({"t": dt, "rc": rc}), flush=True)
+    elif cmd["op"] == "stop":
+        break
+"""
+
+
+class Mooncake:
+    """mooncake_master + a mooncake_client storage node on 127.0.0.1, and a MooncakeDistributedStore client in
+    a worker process of the peers' venv (bench/engines.py starts Mooncake the same way)."""
+
+    def __init__(self, py: Path, pool: str = "4 GB") -> None:
+        import json
+        import tempfile
+
+        self.json = json
+        bindir = py.parent
+        self.dir = Path(tempfile.mkdtemp(prefix="kvd-bench-mooncake-"))
+        self.log = open(self.dir / "mooncake.log", "w")  # noqa: SIM115 - closed in stop()
+        port = free_port()
+        master = [str(bindir / "mooncake_master"), "-rpc_address", "127.0.0.1", "-rpc_port", str(port),
+                  "-metrics_port", str(free_port())]
+        self.procs: list[subprocess.Popen[Any]] = [subprocess.Popen(master, stdout=self.log, stderr=self.log)]
+        if not wait_port(port, self.procs[0], 60):
+            self.stop()
+            raise RuntimeError(f"mooncake_master did not start (log: {self.dir / 'mooncake.log'})")
+        try:
+            node_port = free_port()
+            node = [str(bindir / "mooncake_client"), "-host", "127.0.0.1", "-port", str(node_port),
+                    "-master_server_address", f"127.0.0.1:{port}", "-metadata_server", "P2PHANDSHAKE",
+                    "-protocol", "tcp", "-global_segment_size", pool]
+            self.procs.append(subprocess.Popen(node, stdout=self.log, stderr=self.log))
+            time.sleep(3.0)  # the storage node mounts its segment with the master (no readiness signal)
+            cfg = {"host": "127.0.0.1", "master": f"127.0.0.1:{port}", "buffer": 1 << 30}
+            self.worker = subprocess.Popen([str(py), "-c", MOONCAKE_WORKER, json.dumps(cfg)],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                           text=True, bufsize=1)
+            self.procs.append(self.worker)
+            reply = self._read()
+            if reply.get("setup") != 0:
+                raise RuntimeError(f"MooncakeDistributedStore.setup returned {reply} (log: {self.dir})")
+        except BaseException:
+            self.stop()  # no process of a failed start may outlive it
+            raise
+
+    def _read(self) -> dict[str, Any]:
+        assert self.worker.stdout is not None
+        line = self.worker.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the Mooncake worker ended (log: {self.dir / 'mooncake.log'})")
+        return dict(self.json.loads(line))
+
+    def _ask(self, **cmd: Any) -> dict[str, Any]:
+        assert self.worker.stdin is not None
+        self.worker.stdin.write(self.json.dumps(cmd) + "\n")
+        self.worker.stdin.flush()
+        return self._read()
+
+    def batches(self, size: int, n: int) -> tuple[Batch, Batch]:
+        self._ask(op="prepare", size=size, n=n)
+
+        def run(what: str) -> float:
+            reply = self._ask(op="run", size=size, n=n, what=what)
+            if reply["rc"] != 0:
+                raise RuntimeError(f"Mooncake {what} of {size} bytes x{n} failed: {reply['rc']}")
+            return float(reply["t"])
+
+        return (lambda: run("put")), (lambda: run("get"))
+
+    def stop(self) -> None:
+        if getattr(self, "worker", None) is not None and self.worker.poll() is None:
+            with contextlib.suppress(Exception):
+                self._ask(op="stop")
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self.log.close()
+
+
 # ------------------------------------------------------------------------------------------------ main
 
 
@@ -299,6 +588,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     ap.add_argument("--no-redis", action="store_true", help="skip Redis")
+    ap.add_argument("--no-lmcache", action="store_true", help="skip LMCache's server")
+    ap.add_argument("--no-mooncake", action="store_true", help="skip Mooncake Store")
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"payloads to measure, of {', '.join(SIZES)}")
     ap.add_argument("--frames", action="store_true",
                     help="only the cost of frames: raw pyzmq get of the same bytes in 1, 8, 64 and 640 frames")
     ap.add_argument("--packed", action="store_true",
@@ -315,13 +607,24 @@ def main() -> int:
         ("append", "fp16", APPEND_CAPACITY_BYTES), ("get", "fp16", GET_CAPACITY_BYTES),
         ("q4", "q4", GET_CAPACITY_BYTES))}
     redis_info = None if args.no_redis else start_redis()
+    peers: dict[str, Any] = {}
+    if not (args.no_lmcache and args.no_mooncake):
+        py = peers_python()
+        for name, skip, cls in (("lmcache", args.no_lmcache, LMCache), ("mooncake", args.no_mooncake, Mooncake)):
+            if py is None or skip:
+                continue
+            try:
+                peers[name] = cls(py)
+            except Exception as exc:  # noqa: BLE001 - a peer that does not start is reported and left out
+                print(f"{name} could not be started ({exc}): its columns are skipped")
+    sizes = {label: SIZES[label] for label in (x.strip() for x in args.sizes.split(",")) if label}
     rows: list[tuple[str, int, dict[str, float]]] = []
     try:
         raw = Raw(raw_ep)
         clients = {name: Client(endpoint, timeout_s=60) for name, (_, endpoint, _) in servers.items()}
         for c in clients.values():
             c.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
-        for label, size in SIZES.items():
+        for label, size in sizes.items():
             data = os.urandom(size)
             raw.batch(b"P", size, data, 1)()
             for n in (1, INFLIGHT):
@@ -330,7 +633,9 @@ def main() -> int:
                            "kvd append": append, "kvd get": get,
                            "kvd pages q4": pages_batch(clients["q4"], size, n)}
                 if redis_info is not None:
-                    batches["redis set"], batches["redis get"] = redis_batches(redis_info[1], size, n)
+                    batches["redis put"], batches["redis get"] = redis_batches(redis_info[1], size, n)
+                for name, peer in peers.items():
+                    batches[f"{name} put"], batches[f"{name} get"] = peer.batches(size, n)
                 rows.append((label, n, measure(batches, n, budget)))
                 print(f"  measured {label} x{n}", file=sys.stderr, flush=True)
         for c in clients.values():
@@ -345,7 +650,10 @@ def main() -> int:
         if redis_info is not None:
             redis_info[0].terminate()
             redis_info[0].wait(5)
-    report(rows, redis_info is not None)
+        for peer in peers.values():
+            peer.stop()
+    names = (["redis"] if redis_info is not None else []) + list(peers)
+    report(rows, names)
     return 0
 
 
@@ -439,25 +747,29 @@ def packed_only(budget: float) -> int:
     return 0
 
 
-def report(rows: list[tuple[str, int, dict[str, float]]], with_redis: bool) -> None:
-    cols = ["raw put", "kvd append", "raw get", "kvd get", "kvd pages q4"] + (
-        ["redis set", "redis get"] if with_redis else [])
+def report(rows: list[tuple[str, int, dict[str, float]]], peers: list[str]) -> None:
+    cols = ["raw put", "kvd append", "raw get", "kvd get", "kvd pages q4"]
+    for name in peers:
+        cols += [f"{name} put", f"{name} get"]
     print("\nGB/s of payload (median), tcp://127.0.0.1, server in another process; pages q4 in fp16-equivalent "
           "GB/s")
-    print("| payload | in flight | " + " | ".join(cols) + " | append/raw | get/raw | pages/raw get |"
-          + (" kvd/redis set | kvd/redis get |" if with_redis else ""))
-    print("|---" * (2 + len(cols) + 3 + (2 if with_redis else 0)) + "|")
-    size_of = dict(SIZES)
+    print("| payload | in flight | " + " | ".join(cols) + " |")
+    print("|---" * (2 + len(cols)) + "|")
     for label, n, res in rows:
-        size = size_of[label]
-        gbps = {c: size / res[c] / 1e9 for c in cols}
-        line = f"| {label} | {n} | " + " | ".join(f"{gbps[c]:.2f}" for c in cols)
-        line += f" | {gbps['kvd append'] / gbps['raw put']:.2f}x | {gbps['kvd get'] / gbps['raw get']:.2f}x"
-        line += f" | {gbps['kvd pages q4'] / gbps['raw get']:.2f}x |"
-        if with_redis:
-            line += f" {gbps['kvd append'] / gbps['redis set']:.2f}x"
-            line += f" | {gbps['kvd get'] / gbps['redis get']:.2f}x |"
-        print(line)
+        size = SIZES[label]
+        print(f"| {label} | {n} | " + " | ".join(f"{size / res[c] / 1e9:.2f}" for c in cols) + " |")
+    ratio_cols = ["append/raw put", "get/raw get", "pages/raw get"]
+    for name in peers:
+        ratio_cols += [f"append/{name} put", f"get/{name} get"]
+    print("\nratios of kvd to the others (GB/s over GB/s, same run; above 1: kvd is faster)")
+    print("| payload | in flight | " + " | ".join(ratio_cols) + " |")
+    print("|---" * (2 + len(ratio_cols)) + "|")
+    for label, n, res in rows:
+        ratios = [res["raw put"] / res["kvd append"], res["raw get"] / res["kvd get"],
+                  res["raw get"] / res["kvd pages q4"]]
+        for name in peers:
+            ratios += [res[f"{name} put"] / res["kvd append"], res[f"{name} get"] / res["kvd get"]]
+        print(f"| {label} | {n} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     print("\nmedian latency per request (us)")
     print("| payload | in flight | " + " | ".join(cols) + " |")
     print("|---" * (2 + len(cols)) + "|")

@@ -15,14 +15,22 @@ queue whatever its size). A message that does not fit is answered ``Busy`` (code
 request id is read, it is not executed, and its buffers are freed. Then the oldest queued request runs and is
 answered, and the loop drains again. So under overload a request gets ``Busy`` within the time of the
 operation in progress, never silence; requests of one connection start in the order received; and the
-memory held by received requests is bounded by ``max_queued_bytes`` plus what ZeroMQ buffers per peer
-(``RCVHWM`` messages, each at most ``MAXMSGSIZE`` per frame).
+memory held by received requests is bounded by ``max_queued_bytes``.
+
+*What peers make ZeroMQ hold* is bounded per server by :class:`~kvd.wire.sockets.ConnectionGuard`: ZeroMQ
+assembles a whole multipart message before the loop sees it (``MAXMSGSIZE`` bounds a frame, not a message),
+and keeps unread replies in each peer's pipe. The guard measures both per connection from the kernel's TCP
+counters and cuts a peer that is sending one message over ``max_message_bytes``, and the largest holders while
+all peers together hold more than ``max_inbound_bytes`` received-and-not-taken or ``max_reply_bytes`` of
+unread replies (both default to twice ``max_message_bytes``). The loop itself drops a reply that would exceed
+the reply budget unless its peer has read everything before (and the reply is small). Freed memory goes back
+to the system once a heavy peer is cut or gone (:func:`~kvd.wire.sockets.trim_malloc`).
 
 *Replies* are sent without blocking. ``ROUTER_MANDATORY`` turns a reply to a vanished peer (EHOSTUNREACH) or to
 a peer whose pipe is full (a slow reader at ``SNDHWM`` replies: EAGAIN) into an error instead of a silent drop:
 the reply is discarded and counted (``replies_dropped``), and the loop goes on serving everyone else. A slow
-reader therefore pins at most ``SNDHWM`` replies of server memory. Heartbeats (``ZMQ_HEARTBEAT_*``) close
-connections to dead peers, which frees their pipes.
+reader therefore pins at most ``SNDHWM`` replies, and all slow readers together at most ``max_reply_bytes``.
+Heartbeats (``ZMQ_HEARTBEAT_*``) close connections to dead peers, which frees their pipes.
 
 *Bad input* never reaches the store: :func:`kvd.protocol.parse_request` checks every field and frame first and
 the error reply names the problem. A frame over ``MAXMSGSIZE`` (the protocol's ``max_frame_bytes``) makes
@@ -38,6 +46,7 @@ makes glibc recycle them (:func:`tune_malloc`) instead of paying a page fault pe
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -73,6 +82,7 @@ from kvd.wire.sockets import (
     DEFAULT_HEARTBEAT_IVL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
     HANDSHAKE_TIMEOUT_S,
+    ConnectionGuard,
     recv_frames,
     send_frames,
     tune_malloc,
@@ -90,13 +100,14 @@ DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader be
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
+GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
 _OWNER_CACHE = 65536  # sequences whose owner a shard remembers (per routing)
 _START_UP_OPS = (p.HelloRequest, p.PingRequest, p.StatsRequest)  # served while a shard is starting
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
 # microseconds per call, a measurable share of a small request.
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
-_EVENTS, _RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
+_EVENTS, _RCVMORE, _SRCFD = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.SRCFD)
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _get = zmq.backend.Socket.get
 _send = zmq.backend.Socket.send
@@ -113,6 +124,7 @@ class _Metrics:
         self.started = time.monotonic()
         self.requests = self.errors = self.busy = self.bytes_in = self.bytes_out = 0
         self.replies_dropped = self.queue_peak = self.compactions = self.compacted_bytes = 0
+        self.replies_over_budget = 0
         self._stamp = [0] * RATE_WINDOW_S
         self._count = [0] * RATE_WINDOW_S
 
@@ -130,10 +142,12 @@ class _Metrics:
         span = min(float(RATE_WINDOW_S), max(now - self.started, 1e-3))
         return total / span
 
-    def snapshot(self, queue_depth: int, queued_bytes: int) -> dict[str, Any]:
+    def snapshot(self, queue_depth: int, queued_bytes: int, peers_cut: int, replies_held: int) -> dict[str, Any]:
         return {"requests": self.requests, "errors": self.errors, "busy": self.busy,
                 "requests_per_s": round(self.rate(), 3), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "replies_dropped": self.replies_dropped, "queue_depth": queue_depth, "queued_bytes": queued_bytes,
+                "replies_dropped": self.replies_dropped, "replies_over_budget": self.replies_over_budget,
+                "peers_cut": peers_cut, "replies_held_bytes": replies_held,
+                "queue_depth": queue_depth, "queued_bytes": queued_bytes,
                 "queue_peak": self.queue_peak, "compactions": self.compactions,
                 "compacted_bytes": self.compacted_bytes, "uptime_s": round(time.monotonic() - self.started, 3)}
 
@@ -146,23 +160,40 @@ class _RouterServer:
 
     def __init__(self, *, host: str, port: int, limits: p.Limits | None, curve: CurveConfig | None,
                  max_queued_requests: int, max_queued_bytes: int, hwm: int,
-                 heartbeat_ivl_s: float, heartbeat_timeout_s: float, linger_s: float) -> None:
+                 heartbeat_ivl_s: float, heartbeat_timeout_s: float, linger_s: float,
+                 max_inbound_bytes: int | None = None, max_reply_bytes: int | None = None,
+                 guard_interval_s: float = GUARD_INTERVAL_S) -> None:
         if curve is not None and not isinstance(curve, CurveConfig):
             raise ConfigError(f"curve must be a CurveConfig, got {type(curve).__name__}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError(f"port must be an integer in [0, 65535], got {port!r}")
-        for name, value in (("max_queued_requests", max_queued_requests), ("max_queued_bytes", max_queued_bytes),
-                            ("hwm", hwm)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         self._host, self._port = host, port
         self._limits = limits or p.DEFAULT_LIMITS
+        # what all peers together may make ZeroMQ hold: by default two of the largest legal messages each way
+        if max_inbound_bytes is None:
+            max_inbound_bytes = 2 * self._limits.max_message_bytes
+        if max_reply_bytes is None:
+            max_reply_bytes = 2 * self._limits.max_message_bytes
+        for name, value in (("max_queued_requests", max_queued_requests), ("max_queued_bytes", max_queued_bytes),
+                            ("hwm", hwm), ("max_inbound_bytes", max_inbound_bytes),
+                            ("max_reply_bytes", max_reply_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if max_inbound_bytes < self._limits.max_message_bytes:
+            raise ConfigError(f"max_inbound_bytes {max_inbound_bytes} is less than max_message_bytes "
+                              f"{self._limits.max_message_bytes}: the largest legal request would be cut")
+        if isinstance(guard_interval_s, bool) or not isinstance(guard_interval_s, (int, float)) \
+                or not 0 < guard_interval_s <= 1:
+            raise ConfigError(f"guard_interval_s must be in (0, 1], got {guard_interval_s!r}")
+        self._max_inbound, self._max_reply, self._guard_interval = max_inbound_bytes, max_reply_bytes, \
+            float(guard_interval_s)
+        self._guard: ConnectionGuard | None = None
         self._curve = curve
         self._max_queued, self._max_queued_bytes, self._hwm = max_queued_requests, max_queued_bytes, hwm
         self._heartbeat = (heartbeat_ivl_s, heartbeat_timeout_s)
         self._linger_ms = int(linger_s * 1000)
         self._metrics = _Metrics()
-        self._queue: collections.deque[tuple[bytes, list[Any], int]] = collections.deque()
+        self._queue: collections.deque[tuple[bytes, list[Any], int, int]] = collections.deque()
         self._queued_bytes = 0
         self._endpoint: str | None = None
         self._thread: threading.Thread | None = None
@@ -208,9 +239,12 @@ class _RouterServer:
     def metrics(self) -> dict[str, Any]:
         """Counters: requests (messages received), errors (error replies, Busy excluded), busy,
         requests_per_s (over the last 10 s), bytes_in / bytes_out (frames after the identity),
-        replies_dropped (peer gone or not reading), queue_depth, queued_bytes, queue_peak, compactions,
-        compacted_bytes, uptime_s."""
-        return self._metrics.snapshot(len(self._queue), self._queued_bytes)
+        replies_dropped (peer gone or not reading, or over the reply budget), replies_over_budget (of those: over
+        ``max_reply_bytes``), peers_cut (by the connection guard), replies_held_bytes (replies not yet in the
+        kernel, last look), queue_depth, queued_bytes, queue_peak, compactions, compacted_bytes, uptime_s."""
+        guard = self._guard
+        return self._metrics.snapshot(len(self._queue), self._queued_bytes, guard.cuts if guard else 0,
+                                      guard.held_total if guard else 0)
 
     def __enter__(self) -> _RouterServer:
         self.start()
@@ -243,6 +277,12 @@ class _RouterServer:
             sock.curve_secretkey = self._curve.secret_key
             sock.curve_publickey = self._curve.public_key
             sock.curve_server = True
+        # before bind: the guard must know every connection (accepted / disconnected, with its descriptor)
+        self._guard = ConnectionGuard(
+            sock.get_monitor_socket(int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)),
+            curve=self._curve is not None, max_message_bytes=self._limits.max_message_bytes,
+            max_inbound_bytes=self._max_inbound, max_reply_bytes=self._max_reply, interval_s=self._guard_interval,
+            name=f"kvd-{self._NAME}")
         host = self._host
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
@@ -250,8 +290,11 @@ class _RouterServer:
         try:
             sock.bind(f"tcp://{host}:{self._port if self._port else '*'}")
         except BaseException:
+            self._close_guard(sock)
             sock.close(0)  # an open socket would make ctx.term() wait forever
             raise
+        if not self._guard.start():
+            self._close_guard(sock)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
         self._endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
         return sock
@@ -285,10 +328,20 @@ class _RouterServer:
         except Exception:  # pragma: no cover - the loop catches everything per request; this is a last resort
             log.exception("%s at %s crashed", self._NAME, self._endpoint)
         finally:
+            self._close_guard(sock)
             sock.close(self._linger_ms)
             if auth is not None:
                 auth.stop()
             ctx.term()
+
+    def _close_guard(self, sock: zmq.Socket[Any]) -> None:
+        guard, self._guard = self._guard, None
+        if guard is None:
+            return
+        # the monitor goes first: libzmq's I/O thread sends its events blocking, so the guard reads until then
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        guard.stop()
 
     # -------------------------------------------------------------------------------------------- serving
 
@@ -309,27 +362,36 @@ class _RouterServer:
         """One turn: receive (blocking only when idle), admit everything ready, run the oldest request.
         Returns whether idle work (compaction) remains."""
         queue = self._queue
+        guard = self._guard
         if not queue:
             if idle_work:  # a backlog remains: look for a message without blocking, else work on the backlog
                 if not sock.poll(0, zmq.POLLIN):
+                    if guard is not None:
+                        guard.drains += 1  # (a drain: no complete message was waiting; see ConnectionGuard)
                     return self._idle()
                 self._admit(sock, recv_frames(sock))
             else:
                 try:
                     self._admit(sock, recv_frames(sock))  # blocks up to IDLE_TICK_S (RCVTIMEO)
                 except zmq.Again:
+                    if guard is not None:
+                        guard.drains += 1
                     return self._idle()
         n = 0
-        while n < DRAIN_BATCH and int(_get(sock, _EVENTS)) & _POLLIN:
+        while n < DRAIN_BATCH:
+            if not int(_get(sock, _EVENTS)) & _POLLIN:
+                if guard is not None:
+                    guard.drains += 1
+                break
             self._admit(sock, recv_frames(sock))
             n += 1
         if not queue:
             return idle_work
-        ident, frames, size = queue.popleft()
+        ident, frames, size, fd = queue.popleft()
         self._queued_bytes -= size
         reply = self._run(frames)
         del frames  # the request's buffers go before the reply is sent
-        self._send(sock, ident, reply)
+        self._send(sock, ident, reply, fd)
         self._since_idle += 1
         if self._since_idle >= self._compact_every > 0:
             return self._idle()
@@ -341,10 +403,14 @@ class _RouterServer:
         metrics.tick(time.monotonic())
         ident = msg[0].bytes
         frames = msg[1:]
-        size = 0
-        for f in frames:
-            size += len(f)
+        lens = [len(f) for f in frames]
+        size = sum(lens)
         metrics.bytes_in += size
+        fd = -1
+        guard = self._guard
+        if guard is not None:  # what the loop took from this connection (ZeroMQ no longer holds it)
+            fd = frames[0].get(_SRCFD)
+            guard.took(fd, lens)
         queue = self._queue
         if queue and (len(queue) >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes):
             metrics.busy += 1
@@ -353,9 +419,9 @@ class _RouterServer:
             self._send(sock, ident, p.encode_reply(p.ErrorReply(
                 request_id=rid, code=Busy.code, error="Busy",
                 message=f"server queue full ({len(queue)} requests, {self._queued_bytes} bytes queued); "
-                        "the request was not executed: retry after a short backoff")))
+                        "the request was not executed: retry after a short backoff")), fd)
             return
-        queue.append((ident, frames, size))
+        queue.append((ident, frames, size, fd))
         self._queued_bytes += size
         if len(queue) > metrics.queue_peak:
             metrics.queue_peak = len(queue)
@@ -377,7 +443,15 @@ class _RouterServer:
             self._metrics.errors += 1
             return p.encode_reply(p.error_reply(req.request_id, exc))
 
-    def _send(self, sock: zmq.Socket[Any], ident: bytes, frames: list[p.Frame]) -> None:
+    def _send(self, sock: zmq.Socket[Any], ident: bytes, frames: list[p.Frame], fd: int) -> None:
+        guard = self._guard
+        lens = None
+        if guard is not None and fd >= 0:
+            lens = [len(f) for f in frames]
+            if not guard.reply_allowed(fd, sum(lens)):  # replies not read by peers are at max_reply_bytes
+                self._metrics.replies_dropped += 1
+                self._metrics.replies_over_budget += 1
+                return
         try:
             # only the identity part can fail (ROUTER checks the peer's pipe on the first part)
             _send(sock, ident, _SNDMORE_NOBLOCK, True, False)
@@ -386,6 +460,8 @@ class _RouterServer:
             log.debug("%s: reply dropped (%s)", self._NAME, exc)
             return
         self._metrics.bytes_out += send_frames(sock, frames)
+        if lens is not None and guard is not None:
+            guard.gave(fd, lens)
 
     def _execute(self, req: Any) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -1,17 +1,29 @@
-"""Process and socket settings shared by kvd's servers and clients: glibc malloc tuning (:func:`tune_malloc`),
-heartbeat defaults, and multipart frame I/O with a copy threshold (:func:`send_frames`, :func:`recv_frames`)."""
+"""Process and socket settings shared by kvd's servers and clients: glibc malloc tuning (:func:`tune_malloc`,
+:func:`trim_malloc`), heartbeat defaults, multipart frame I/O with a copy threshold (:func:`send_frames`,
+:func:`recv_frames`), and the :class:`ConnectionGuard` that bounds what a server's peers make ZeroMQ buffer."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import fcntl
+import logging
+import os
+import socket
+import struct
+import termios
+import threading
+import time
 from typing import Any
 
 import zmq
 import zmq.backend
 
 __all__ = ["COPY_THRESHOLD_BYTES", "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S",
-           "recv_frames", "send_frames", "tune_malloc"]
+           "ConnectionGuard", "recv_frames", "send_frames", "trim_malloc", "tune_malloc", "wire_bytes"]
+
+log = logging.getLogger(__name__)
 
 COPY_THRESHOLD_BYTES = 64 * 1024  # frames at least this big are sent zero-copy (pyzmq's own threshold)
 DEFAULT_HEARTBEAT_IVL_S = 2.0
@@ -50,6 +62,25 @@ def send_frames(sock: zmq.Socket[Any], frames: list[Any], first_flags: int = 0) 
     return size
 
 
+# ZMTP 3 puts 1 flags byte and a 1-byte (up to 255) or 8-byte length before each frame; under CURVE each frame
+# is a MESSAGE command: "\x07MESSAGE" (8), a nonce (8), and a box of 1 flags byte + the frame + a 16-byte MAC.
+_CURVE_FRAME_OVERHEAD = 8 + 8 + 1 + 16
+
+
+def wire_bytes(sizes: Any, curve: bool) -> int:
+    """The bytes that frames of these ``sizes`` take on a ZMTP 3 connection (NULL or CURVE): what the kernel's
+    counters of the connection count for them."""
+    total = 0
+    if curve:
+        for n in sizes:
+            n += _CURVE_FRAME_OVERHEAD
+            total += n + (2 if n < 256 else 9)
+    else:
+        for n in sizes:
+            total += n + (2 if n < 256 else 9)
+    return total
+
+
 MALLOC_MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest: every buffer of a legal message but the biggest
 MALLOC_TRIM_THRESHOLD_BYTES = 256 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
@@ -76,3 +107,287 @@ def tune_malloc(*, mmap_threshold_bytes: int = MALLOC_MMAP_THRESHOLD_BYTES,
     return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)) == 1
                 and mallopt(_M_TRIM_THRESHOLD, int(trim_threshold_bytes)) == 1
                 and mallopt(_M_ARENA_MAX, 1) == 1)
+
+
+def trim_malloc() -> bool:
+    """Give the free memory of glibc's heap back to the system now (``malloc_trim(0)``: the top of the heap and
+    the free pages inside it). :func:`tune_malloc` keeps up to its trim threshold of free heap for reuse; after a
+    burst that is over (peers that pinned memory were cut or left) that memory should not stay with the process.
+    Returns whether anything was released (False where malloc is not glibc's)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
+# ------------------------------------------------------------------------------------------ connection guard
+
+_TCP_INFO_BYTES_ACKED, _TCP_INFO_BYTES_RECEIVED = 120, 128  # offsets in Linux's struct tcp_info (>= 4.1)
+_TCP_INFO_LEN = 136
+_SIOCOUTQ = getattr(termios, "TIOCOUTQ", 0x5411)  # bytes of a TCP socket's send queue not acked yet
+_MONITOR_EVENTS = int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+# bytes a peer sends that no message counts: the handshake, then heartbeats (PING/PONG commands, CURVE-boxed:
+# under 64 bytes each, a few per heartbeat interval): allowed per connection, so idle peers are never suspects
+HANDSHAKE_ALLOWANCE_BYTES = 4096
+HEARTBEAT_ALLOWANCE_BYTES_PER_S = 256
+TRIM_AFTER_S = 0.25  # after a heavy peer goes, ZeroMQ frees its pipes on the serving thread's next socket call
+TRIM_HEAVY_BYTES = 16 << 20  # a peer that held this much (in or out) makes its departure trim the heap
+
+
+class _Conn:
+    __slots__ = ("sock", "fd", "opened", "base_received", "base_acked", "base_in", "base_out", "unread", "held",
+                 "left", "stalled", "suspect", "cut")
+
+    def __init__(self, sock: socket.socket, fd: int, opened: float) -> None:
+        self.sock, self.fd, self.opened = sock, fd, opened
+        self.base_received = self.base_acked = self.base_in = self.base_out = 0
+        self.unread = self.held = self.left = 0  # left: reply bytes that reached the kernel
+        self.stalled = self.cut = False
+        self.suspect: tuple[int, int] | None = None  # (drains, delivered) when it was seen over the limit
+
+
+class ConnectionGuard:
+    """Bounds, for the whole server, the bytes that its peers make ZeroMQ hold outside the serving loop's reach.
+
+    ZeroMQ assembles a whole multipart message before the application sees any of it, and ``MAXMSGSIZE`` bounds
+    each frame, not a message: a peer sending many legal frames makes the server buffer all of them. And replies
+    that a peer does not read wait in its pipe (``SNDHWM`` replies per peer). Neither is visible through ZeroMQ's
+    API, so the guard compares, per TCP connection, the kernel's counters (``TCP_INFO``: bytes received, bytes
+    the peer acknowledged; the socket's send queue) with what the serving loop took from and gave to that
+    connection (messages carry their connection's descriptor, ``ZMQ_SRCFD``; sizes are counted as on the wire,
+    :func:`wire_bytes`). Connections are learned from the socket's monitor (accepted / disconnected); the guard
+    keeps a duplicate of each descriptor, so it only ever acts on the connection it measured.
+
+    Every ``interval_s`` it
+
+    * **cuts a peer that is sending a message larger than** ``max_message_bytes``: more than that received and
+      not taken, and the loop has since found no complete message waiting and took nothing from this peer, so
+      those bytes are one unfinished message (no legal message is that large);
+    * **cuts the peers holding the most** while all connections together hold more than ``max_inbound_bytes``
+      received and not taken (pipelined legal messages while the loop is busy count too), or more than
+      ``max_reply_bytes`` of replies that are not yet in the kernel (the peers not reading: the largest that made
+      no progress since the last look);
+    * publishes the reply bytes held, per connection and in total, for the loop's :meth:`reply_allowed`;
+    * gives freed heap back to the system (:func:`trim_malloc`) once a peer that held much is cut or gone.
+
+    A cut is ``shutdown(SHUT_RDWR)`` of the connection: ZeroMQ sees it closed, drops its half-received message
+    and unsent replies, and a reconnecting DEALER starts afresh. The bound is therefore the budget plus what
+    arrives within one interval. Linux only (elsewhere :meth:`start` returns False and nothing is bounded).
+
+    Threads: the serving loop calls :meth:`took` and :meth:`gave` and bumps :attr:`drains`; the guard's thread
+    does the rest; counters are plain ints and dicts (single operations are atomic under the GIL).
+    """
+
+    def __init__(self, monitor: zmq.Socket[Any], *, curve: bool, max_message_bytes: int, max_inbound_bytes: int,
+                 max_reply_bytes: int, interval_s: float, name: str) -> None:
+        self._monitor = monitor
+        self.curve = curve
+        self.max_message_bytes, self.max_inbound_bytes = max_message_bytes, max_inbound_bytes
+        self.max_reply_bytes = max_reply_bytes
+        self._interval = interval_s
+        self._name = name
+        # written by the serving loop
+        self.delivered: dict[int, int] = {}  # fd -> wire bytes of the messages the loop took from it
+        self.sent: dict[int, int] = {}  # fd -> wire bytes of the replies the loop gave ZeroMQ for it
+        self.sent_total = 0
+        self.drains = 0  # times the loop found no complete message waiting
+        # written by the guard's thread
+        self.in_kernel: dict[int, int] = {}  # fd -> reply bytes (in `sent` units) that left ZeroMQ, last look
+        self.held_total = 0  # reply bytes held by ZeroMQ over all connections, last look
+        self.sent_total_seen = 0  # sent_total at that look
+        self.cuts = 0
+        self._conns: dict[int, _Conn] = {}
+        self._trim_at: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------------------------- the serving loop's side
+
+    def took(self, fd: int, sizes: Any) -> None:
+        """The loop received a message of frames of ``sizes`` (identity excluded) from connection ``fd``."""
+        self.delivered[fd] = self.delivered.get(fd, 0) + wire_bytes(sizes, self.curve)
+
+    def gave(self, fd: int, sizes: Any) -> None:
+        """The loop handed ZeroMQ a reply of frames of ``sizes`` for connection ``fd``."""
+        n = wire_bytes(sizes, self.curve)
+        self.sent[fd] = self.sent.get(fd, 0) + n
+        self.sent_total += n
+
+    def reply_allowed(self, fd: int, size: int) -> bool:
+        """Whether a reply of ``size`` bytes to ``fd`` fits the reply budget. Over it, only a peer that has read
+        all its earlier replies still gets a small one (up to COPY_THRESHOLD_BYTES): so a peer that reads is
+        answered, and one that does not read holds at most the budget together with every other such peer."""
+        held_total = self.held_total + self.sent_total - self.sent_total_seen
+        if held_total + size <= self.max_reply_bytes:
+            return True
+        sent = self.sent.get(fd, 0)
+        return size <= COPY_THRESHOLD_BYTES and sent <= self.in_kernel.get(fd, sent)
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> bool:
+        """Start the guard's thread; False (nothing started) where the kernel's TCP counters are not available.
+        Then the caller must stop the socket's monitor first (``disable_monitor``), then :meth:`stop`: libzmq's
+        I/O thread sends monitor events blocking, so they must be read for as long as the monitor is on."""
+        if not hasattr(socket, "TCP_INFO"):
+            log.warning("%s: no TCP_INFO on this platform: what peers make ZeroMQ buffer is not bounded",
+                        self._name)
+            return False
+        self._thread = threading.Thread(target=self._run, name=f"{self._name}-guard", daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close the monitor's socket. Call it after the socket's ``disable_monitor``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        else:
+            self._monitor.close(0)
+
+    # ------------------------------------------------------------------------------------------ the guard
+
+    def _run(self) -> None:
+        monitor = self._monitor
+        try:
+            while not self._stop.is_set():
+                try:
+                    # the events first, always: libzmq's I/O thread blocks while they are not read
+                    if monitor.poll(int(self._interval * 1000)):
+                        self._events()
+                    self._look(time.monotonic())
+                except Exception:  # noqa: BLE001 - the guard must not die on one odd connection
+                    log.exception("%s: connection guard error, guarding on", self._name)
+                    time.sleep(self._interval)
+        finally:
+            for conn in self._conns.values():
+                conn.sock.close()
+            self._conns.clear()
+            monitor.close(0)
+
+    def _events(self) -> None:
+        while True:
+            try:
+                parts = self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event, fd = struct.unpack("=Hi", parts[0][:6])
+            if event == zmq.EVENT_ACCEPTED:
+                self._forget(fd)
+                self._accept(fd)
+            else:  # DISCONNECTED / CLOSED
+                self._forget(fd)
+
+    def _accept(self, fd: int) -> None:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return  # already closed again
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            sock.close()
+            return
+        conn = _Conn(sock, fd, time.monotonic())
+        # the bases: what was already counted on either side when the guard met the connection
+        conn.base_in, conn.base_out = self.delivered.get(fd, 0), self.sent.get(fd, 0)
+        info = self._info(conn)
+        if info is None:
+            sock.close()
+            return
+        conn.base_received, conn.base_acked = info
+        self._conns[fd] = conn
+
+    def _forget(self, fd: int) -> None:
+        conn = self._conns.pop(fd, None)
+        if conn is None:
+            return
+        if max(conn.unread, conn.held) >= TRIM_HEAVY_BYTES:
+            self._trim_at = time.monotonic() + TRIM_AFTER_S
+        self.in_kernel.pop(fd, None)
+        conn.sock.close()
+
+    @staticmethod
+    def _info(conn: _Conn) -> tuple[int, int] | None:
+        try:
+            info = conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        except OSError:
+            return None
+        if len(info) < _TCP_INFO_LEN:
+            return None
+        (acked,) = struct.unpack_from("=Q", info, _TCP_INFO_BYTES_ACKED)
+        (received,) = struct.unpack_from("=Q", info, _TCP_INFO_BYTES_RECEIVED)
+        return received, acked
+
+    def _look(self, now: float) -> None:
+        sent_total = self.sent_total
+        unread_total = held_total = 0
+        for conn in self._conns.values():
+            if conn.cut:
+                continue
+            info = self._info(conn)
+            if info is None:
+                continue
+            received, acked = info
+            fd = conn.fd
+            delivered = self.delivered.get(fd, 0) - conn.base_in  # read after the kernel's counters: never high
+            drains = self.drains  # read after them too: a later drain happened after this look
+            allowance = HANDSHAKE_ALLOWANCE_BYTES + int((now - conn.opened) * HEARTBEAT_ALLOWANCE_BYTES_PER_S)
+            conn.unread = max(0, received - conn.base_received - delivered - allowance)
+            # a message larger than max_message_bytes in progress. Suspect while over; proven once the loop has
+            # since found no complete message waiting (a drain) and took nothing from this connection: then all
+            # the bytes it holds are one unfinished message, and no legal message is that large
+            if conn.unread > self.max_message_bytes:
+                if conn.suspect is not None and drains > conn.suspect[0] and delivered == conn.suspect[1]:
+                    self._cut(conn, f"{conn.unread} bytes of one message, more than max_message_bytes "
+                                    f"{self.max_message_bytes}")
+                    continue
+                if conn.suspect is None or delivered != conn.suspect[1]:
+                    conn.suspect = (drains, delivered)
+            else:
+                conn.suspect = None
+            unread_total += conn.unread
+            # replies: what the loop gave minus what reached the kernel (acknowledged, or still in its queue)
+            sent = self.sent.get(fd, 0) - conn.base_out
+            left = acked - conn.base_acked
+            if sent > left:
+                with contextlib.suppress(OSError):
+                    left += struct.unpack("=i", fcntl.ioctl(conn.sock.fileno(), _SIOCOUTQ, b"\0\0\0\0"))[0]
+            conn.held = max(0, sent - left)
+            conn.stalled = conn.held > 0 and left <= conn.left
+            conn.left = left
+            self.in_kernel[fd] = conn.base_out + left
+            held_total += conn.held
+        # the server-wide budgets: cut the largest holders until under (for replies: those not reading)
+        if unread_total > self.max_inbound_bytes:
+            for conn in sorted(self._conns.values(), key=lambda c: c.unread, reverse=True):
+                if unread_total <= self.max_inbound_bytes or conn.unread == 0:
+                    break
+                if conn.cut:
+                    continue
+                unread_total -= conn.unread
+                self._cut(conn, f"{conn.unread} bytes received and not taken, while all peers together had more "
+                                f"than max_inbound_bytes {self.max_inbound_bytes}")
+        if held_total > self.max_reply_bytes:
+            for conn in sorted(self._conns.values(), key=lambda c: c.held, reverse=True):
+                if held_total <= self.max_reply_bytes or conn.held == 0:
+                    break
+                if conn.cut or not conn.stalled:
+                    continue
+                held_total -= conn.held
+                self._cut(conn, f"{conn.held} bytes of replies not read, while all peers together had more than "
+                                f"max_reply_bytes {self.max_reply_bytes}")
+        self.held_total, self.sent_total_seen = held_total, sent_total
+        if self._trim_at is not None and now >= self._trim_at:
+            self._trim_at = None
+            trim_malloc()
+
+    def _cut(self, conn: _Conn, why: str) -> None:
+        log.warning("%s: cutting a peer (%s)", self._name, why)
+        self.cuts += 1
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        self._trim_at = time.monotonic() + TRIM_AFTER_S
+        self.in_kernel.pop(conn.fd, None)
+        conn.cut = True
+        conn.unread = conn.held = 0
+        conn.suspect = None
