@@ -115,6 +115,14 @@ class Conflict(KvdError):
     code = 18
 
 
+class WrongShard(KvdError):
+    """The shard does not own the sequence by its topology (the message names the owner and the topology
+    epoch), or is not the shard incarnation the request was meant for (it restarted: an ``append`` carrying
+    another ``incarnation``). Nothing was done: refresh the topology and resend to the owner (protocol 1.3)."""
+
+    code = 19
+
+
 def _all_subclasses(cls: type[KvdError]) -> list[type[KvdError]]:
     out = [cls]
     for sub in cls.__subclasses__():

@@ -28,6 +28,7 @@ from kvd.errors import (
     Timeout,
     UnknownSequence,
     UnsupportedVersion,
+    WrongShard,
 )
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
@@ -42,12 +43,18 @@ DEFAULT_TIMEOUT_S = 10.0
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
 DEFAULT_WINDOW = 64  # requests in flight per *_many call; well under a shard's admission queue
 _BUSY_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+# WrongShard from the owner the coordinator names too: that shard has not got the topology yet (it gets it
+# within one report interval); retry it after these pauses, within the call's timeout.
+_ROUTE_BACKOFF_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+# Sequences whose shard incarnation a client remembers (the most recently appended): an append to one of them
+# names that incarnation, so a restarted shard (empty, on any port) refuses to continue it in the middle.
+WRITTEN_ENTRIES = 65536
 _IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register"})
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _MONITOR_IDS = itertools.count()
 _NOT_ADDITIVE = frozenset({"epoch", "page_tokens", "sink_tokens", "window_tokens", "server_uptime_s",
-                           "server_queue_peak"})
+                           "server_queue_peak", "topology_epoch"})
 
 
 # tcp://host:port (host: a name, an IPv4 address or a [bracketed] IPv6 one), ipc://path, inproc://name
@@ -103,8 +110,7 @@ class _Conn:
     """One DEALER to one server, with the replies received for requests still waited for."""
 
     __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "positions",
-                 "waiting",
-                 "replies", "reader", "rcvtimeo", "closed")
+                 "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
         self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
@@ -114,6 +120,7 @@ class _Conn:
         self.packs = False  # the server takes get's packed field (protocol 1.1)
         self.lookups = False  # the server answers lengths (protocol 1.2)
         self.positions = False  # the server takes append's position field (protocol 1.3)
+        self.incarnation: str | None = None  # the shard process this connection talks to (protocol 1.3)
         self.waiting: dict[int, Any] = {}  # id -> None (sync: reply not yet in) or a Future (async)
         self.replies: dict[int, Any] = {}
         self.reader: asyncio.Task[None] | None = None
@@ -187,6 +194,7 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
     conn.packs = reply.protocol_minor >= 1
     conn.lookups = reply.protocol_minor >= 2  # the lengths operation
     conn.positions = reply.protocol_minor >= 3  # append's position
+    conn.incarnation = reply.incarnation  # protocol 1.3: appends on this connection name this process
 
 
 def _value(req: Any, reply: Any) -> Any:
@@ -251,13 +259,16 @@ def _renumber(req: Any, rid: int) -> Any:
 
 def _on_wire(conn: _Conn, req: Any) -> Any:
     """``req`` as sent on ``conn``: a pages get asks for packed pages (fewer frames) from a server that speaks
-    protocol 1.1 (docs/protocol.md §6.5); the caller's result is the same either way. An append's
-    ``position`` is left out for a server older than 1.3: it only spares pages the sink protection, so such a
-    server stores the tokens the same, at most with one more fp16 page."""
+    protocol 1.1 (docs/protocol.md §6.5); an append names the shard incarnation the connection's hello found
+    (protocol 1.3, §6.4), so a successor on the same port refuses it. The caller's result is the same. An
+    append's ``position`` is left out for a server older than 1.3: it only spares pages the sink protection, so
+    such a server stores the tokens the same, at most with one more fp16 page."""
     if conn.packs and type(req) is p.GetRequest and req.format == "pages" and not req.packed:
         return _replace(req, packed=True)
     if not conn.positions and type(req) is p.AppendRequest and req.position is not None:
-        return _replace(req, position=None)
+        req = _replace(req, position=None)
+    if conn.incarnation is not None and type(req) is p.AppendRequest and req.incarnation is None:
+        req = _replace(req, incarnation=conn.incarnation)
     return req
 
 
@@ -297,6 +308,7 @@ class _Core:
         self._conns: dict[str, _Conn] = {}  # endpoint -> connection (hello done)
         self._opened: list[_Conn] = []  # every connection ever opened: close() closes what is left
         self._topo = Topology(epoch=None, shards=())
+        self._written: dict[tuple[str, type, p.SeqId], str] = {}  # sequence -> incarnation it was appended on
         self._closed = False
 
     # -------------------------------------------------------------------------------------------- helpers
@@ -339,6 +351,26 @@ class _Core:
         return ShardUnavailable(f"cannot send {what} to {conn.endpoint}: no connection within "
                                 f"{CONNECT_GRACE_S:g} s (is the server running?)")
 
+    def _bind(self, req: Any) -> Any:
+        """An append to a sequence this client appended to before names the shard incarnation it went to."""
+        if type(req) is p.AppendRequest and req.incarnation is None:
+            incarnation = self._written.get((req.namespace, type(req.seq_id), req.seq_id))
+            if incarnation is not None:
+                return _replace(req, incarnation=incarnation)
+        return req
+
+    def _remember(self, req: Any, conn: _Conn) -> None:
+        """After a successful append (or drop) of ``req`` on ``conn``: remember (forget) its incarnation."""
+        key = (req.namespace, type(req.seq_id), req.seq_id)
+        if type(req) is p.AppendRequest and conn.incarnation is not None:
+            written = self._written
+            written.pop(key, None)  # re-inserted last: the oldest entry goes first
+            if len(written) >= WRITTEN_ENTRIES:
+                del written[next(iter(written))]
+            written[key] = conn.incarnation
+        elif type(req) is p.DropRequest:
+            self._written.pop(key, None)
+
     # -------------------------------------------------------------------------------------------- plans
 
     def _g_roundtrip(self, conn: _Conn, req: Any, deadline: float, timeout_s: float) -> Plan:
@@ -355,9 +387,18 @@ class _Core:
             yield ("sleep", backoff)
             req = _renumber(req, next(self._ids))
 
+    def _g_hello_reply(self, conn: _Conn, deadline: float) -> Plan:
+        """The hello reply of ``conn``'s server, asking for its incarnation (protocol 1.3); a server older
+        than 1.3 refuses that field (ProtocolError) and is asked again the 1.0 way."""
+        req = p.HelloRequest(request_id=next(self._ids), incarnation=True)
+        reply = yield from self._g_roundtrip(conn, req, deadline, self.timeout_s)
+        if isinstance(reply, p.ErrorReply) and reply.code == ProtocolError.code:
+            req = p.HelloRequest(request_id=next(self._ids))
+            reply = yield from self._g_roundtrip(conn, req, deadline, self.timeout_s)
+        return reply
+
     def _g_hello(self, conn: _Conn, expect_id: str | None, deadline: float) -> Plan:
-        req = p.HelloRequest(request_id=next(self._ids))
-        _check_hello(conn, (yield from self._g_roundtrip(conn, req, deadline, self.timeout_s)), expect_id)
+        _check_hello(conn, (yield from self._g_hello_reply(conn, deadline)), expect_id)
 
     def _g_conn(self, shard: dict[str, str], deadline: float) -> Plan:
         """The connection to ``shard``, opened and greeted (hello) on first use."""
@@ -385,11 +426,14 @@ class _Core:
         try:
             for address in self._seeds:
                 conns.append((yield ("open", address)))
-            reqs = [p.HelloRequest(request_id=next(self._ids)) for _ in conns]
+            reqs = [p.HelloRequest(request_id=next(self._ids), incarnation=True) for _ in conns]
             for conn, req in zip(conns, reqs, strict=True):
                 yield ("send", conn, req, deadline)
             for conn, req in zip(conns, reqs, strict=True):
-                _check_hello(conn, (yield ("wait", conn, req, deadline, self.timeout_s)), None)
+                reply = yield ("wait", conn, req, deadline, self.timeout_s)
+                if isinstance(reply, p.ErrorReply) and reply.code == ProtocolError.code:
+                    reply = yield from self._g_hello_reply(conn, deadline)  # an older server: retried plainly
+                _check_hello(conn, reply, None)
             roles = [c.hello.role for c in conns if c.hello is not None]
             if self._single and roles[0] == "coordinator":
                 self._coordinator = conns[0]
@@ -415,21 +459,71 @@ class _Core:
         return self.topology()
 
     def _g_routed(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Plan:
+        """One request to the owner of ``(namespace, seq_id)``. On ShardUnavailable or Timeout, the topology is
+        read again once and an idempotent request retried. On WrongShard (protocol 1.3) the request was not
+        executed: see :meth:`_g_moved`, then it is resent, within the call's timeout."""
         deadline, tmo = self._deadline(timeout_s), self._tmo(timeout_s)
-        req = make(next(self._ids))
-        try:
-            conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
-            return _value(req, (yield from self._g_roundtrip(conn, req, deadline, tmo)))
-        except (ShardUnavailable, Timeout):
-            if self._coordinator is None:
-                raise
-            deadline = self._deadline(timeout_s)  # the retry has a timeout of its own
-            yield from self._g_refresh(deadline)
-            if req.OP not in _IDEMPOTENT:
-                raise
-        req = _renumber(req, next(self._ids))
-        conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
-        return _value(req, (yield from self._g_roundtrip(conn, req, deadline, tmo)))
+        req = self._bind(make(next(self._ids)))
+        refreshed = False
+        backoffs = iter(_ROUTE_BACKOFF_S)
+        while True:
+            conn: _Conn | None = None
+            try:
+                conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
+                if type(req) is p.AppendRequest:
+                    req = _on_wire(conn, req)  # the incarnation it is meant for is fixed before it is sent
+                value = _value(req, (yield from self._g_roundtrip(conn, req, deadline, tmo)))
+                if type(req) in (p.AppendRequest, p.DropRequest):
+                    self._remember(req, conn)
+                return value
+            except WrongShard as exc:
+                assert conn is not None  # hello never answers WrongShard
+                req = yield from self._g_moved(conn, req, exc, namespace, seq_id, deadline, backoffs)
+            except (ShardUnavailable, Timeout):
+                if self._coordinator is None or refreshed:
+                    raise
+                refreshed = True
+                deadline = self._deadline(timeout_s)  # the retry has a timeout of its own
+                yield from self._g_refresh(deadline)
+                if req.OP not in _IDEMPOTENT:
+                    raise
+            req = _renumber(req, next(self._ids))
+
+    def _g_moved(self, conn: _Conn, req: Any, exc: WrongShard, namespace: str, seq_id: p.SeqId, deadline: float,
+                 backoffs: Any) -> Plan:
+        """After WrongShard: returns the request to resend, or raises when it must not be resent.
+
+        The shard is greeted again. If the request named an incarnation the shard no longer is, the shard
+        restarted (on this endpoint or another) and lost its sequences: an append without ``offset`` is not
+        resent (ShardUnavailable; the client forgets the sequence, so an append after that starts it over), an
+        append with ``offset`` is, to the new process. Otherwise the shard does not own the sequence by its
+        topology: the topology is read again (a client without a coordinator raises), and if the owner is
+        still this shard, that shard's topology lags the coordinator's: resent after a pause."""
+        meant = req.incarnation if type(req) is p.AppendRequest else None
+        yield from self._g_hello(conn, conn.shard_id, deadline)
+        if meant is not None and conn.incarnation != meant:
+            self._written.pop((namespace, type(seq_id), seq_id), None)
+            if req.offset is None:
+                raise ShardUnavailable(
+                    f"sequence {seq_id!r} was appended on shard incarnation {meant}, and shard {conn.shard_id!r} "
+                    f"at {conn.endpoint} is now incarnation {conn.incarnation}: the shard restarted (or the "
+                    "sequence's owner changed) and the earlier tokens are not there. This append was not "
+                    "stored. Resend it with offset to continue the sequence only where it still is, or append "
+                    "again to start it over"
+                ) from exc
+            return _replace(req, incarnation=None)
+        if self._coordinator is None:
+            raise exc
+        shard = self._topo.owner(namespace, seq_id)
+        yield from self._g_refresh(deadline)
+        if self._topo.owner(namespace, seq_id)["id"] == shard["id"]:
+            backoff = next(backoffs, _ROUTE_BACKOFF_S[-1])
+            if time.monotonic() + backoff >= deadline:
+                raise exc
+            yield ("sleep", backoff)
+        if type(req) is p.AppendRequest:  # it named the incarnation of the shard it went to: bind it anew
+            return self._bind(_replace(req, incarnation=None))
+        return req
 
     def _g_everywhere(self, make: Any, timeout_s: float | None) -> Plan:
         """One request to every shard, in flight together: values (or kvd errors) in topology order."""
@@ -512,7 +606,23 @@ class _Core:
 
     def _plan_lengths(self, namespace: str, seq_ids: Sequence[p.SeqId], timeout_s: float | None) -> Plan:
         """Lengths of many sequences (None: no such sequence), one ``lengths`` request per shard, all in flight
-        at once; a shard older than protocol 1.2 gets pipelined ``length`` requests instead."""
+        at once; a shard older than protocol 1.2 gets pipelined ``length`` requests instead. WrongShard (a stale
+        topology): the topology is read again and the lookup repeated, within the call's timeout."""
+        deadline = self._deadline(timeout_s)
+        backoffs = iter(_ROUTE_BACKOFF_S)
+        while True:
+            try:
+                return (yield from self._g_lengths(namespace, seq_ids, timeout_s))
+            except WrongShard:
+                backoff = next(backoffs, _ROUTE_BACKOFF_S[-1])
+                if self._coordinator is None or time.monotonic() + backoff >= deadline:
+                    raise
+                before = self._topo.epoch
+                yield from self._g_refresh(deadline)
+                if self._topo.epoch == before:
+                    yield ("sleep", backoff)  # a shard's topology lags the coordinator's
+
+    def _g_lengths(self, namespace: str, seq_ids: Sequence[p.SeqId], timeout_s: float | None) -> Plan:
         ids = list(seq_ids)
         deadline, tmo = self._deadline(timeout_s), self._tmo(timeout_s)
         groups: dict[str, tuple[dict[str, str], list[int]]] = {}

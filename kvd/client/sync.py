@@ -22,7 +22,14 @@ a window of requests in flight. On :class:`AsyncClient`, concurrent coroutines p
 error class. ``Busy`` is retried with a short backoff within the call's timeout (a Busy request was not
 executed). On ShardUnavailable or Timeout, a client that knows a coordinator re-reads the topology once and
 retries the call on the new owner if it is idempotent (get, length, stats, explain, register); an append is
-never retried silently (set ``offset`` to make a resend safe).
+never retried silently (set ``offset`` to make a resend safe). A shard that answers WrongShard (protocol
+1.3: it does not own the sequence by its topology) executed nothing: the client reads the topology again and
+resends to the owner, pausing while that shard's topology lags, within the call's timeout.
+
+*Incarnations.* A shard's ``hello`` tells its incarnation (protocol 1.3), and every append names the
+incarnation the sequence was last appended on by this client (the most recent 65,536 sequences) or else the
+connection's. A shard that restarted, even on its old port, refuses it; an append without ``offset`` then
+raises ShardUnavailable instead of continuing the sequence in the middle on the empty successor.
 
 *Zero copy.* Arrays (numpy, buffer protocol, DLPack such as CPU torch tensors) are sent from their own memory
 (frames of 64 KiB and more are not copied: do not modify an array until its call returned or its Pending
@@ -59,7 +66,7 @@ from kvd.client.core import (
     _value,
     aggregate_stats,
 )
-from kvd.errors import InvalidArgument, KvdError
+from kvd.errors import InvalidArgument, KvdError, WrongShard
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
 from kvd.wire.sockets import recv_frames, send_frames
@@ -108,6 +115,8 @@ class Pending:
             try:
                 reply = self._client._wait(self._conn, self._req, self._deadline, self._timeout_s)
                 self._outcome = (True, _value(self._req, reply))
+                if type(self._req) is p.AppendRequest:
+                    self._client._remember(self._req, self._conn)
             except KvdError as exc:
                 self._outcome = (False, exc)
         ok, value = self._outcome
@@ -285,6 +294,7 @@ class Client(_Core):
     def _submit(self, req: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Pending:
         deadline = self._deadline(timeout_s)
         conn = self._drive(self._g_conn(self._topo.owner(namespace, seq_id), deadline))
+        req = _on_wire(conn, self._bind(req))  # an append names the incarnation it is meant for
         self._send(conn, req, deadline)
         return Pending(self, conn, req, deadline, self._tmo(timeout_s))
 
@@ -307,12 +317,17 @@ class Client(_Core):
         return self._submit(req, namespace, seq_id, timeout_s)
 
     def _many(self, submit: Any, items: Iterable[Sequence[Any]], window: int,
-              return_exceptions: bool) -> list[Any]:
+              return_exceptions: bool, redo: Any) -> list[Any]:
+        """``submit`` each item with at most ``window`` in flight; an item refused with WrongShard (not
+        executed: a stale topology, or a shard that restarted) is done again with ``redo``, the blocking call,
+        which reads the topology again and resends where it may (in order, after the window)."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise InvalidArgument(f"window must be a positive integer, got {window!r}")
         pending: list[Pending | KvdError] = []
         out: list[Any] = []
+        done: list[Sequence[Any]] = []
         for item in items:
+            done.append(item)
             if len(pending) - len(out) >= window:
                 out.append(_outcome(pending[len(out)]))
             try:
@@ -320,6 +335,12 @@ class Client(_Core):
             except KvdError as exc:
                 pending.append(exc)
         out.extend(_outcome(x) for x in pending[len(out):])
+        for i, value in enumerate(out):
+            if isinstance(value, WrongShard):
+                try:
+                    out[i] = redo(done[i])
+                except KvdError as exc:
+                    out[i] = exc
         if not return_exceptions:
             for value in out:
                 if isinstance(value, KvdError):
@@ -331,8 +352,12 @@ class Client(_Core):
         """Pipelined appends: ``items`` of ``(namespace, seq_id, keys, values[, offset])``, at most ``window``
         in flight. Returns the new lengths in order; with ``return_exceptions`` failures are returned in place,
         else the first one is raised once all completed."""
-        return self._many(lambda it: self.append_nowait(*it[:4], offset=it[4] if len(it) > 4 else None,
-                                                        timeout_s=timeout_s), items, window, return_exceptions)
+        def offset(it: Sequence[Any]) -> int | None:
+            return it[4] if len(it) > 4 else None
+
+        return self._many(lambda it: self.append_nowait(*it[:4], offset=offset(it), timeout_s=timeout_s), items,
+                          window, return_exceptions,
+                          lambda it: self.append(*it[:4], offset=offset(it), timeout_s=timeout_s))
 
     def get_many(self, items: Iterable[Sequence[Any]], *, format: str = "fp16",  # noqa: A002
                  window: int = DEFAULT_WINDOW, return_exceptions: bool = False,
@@ -340,7 +365,7 @@ class Client(_Core):
         """Pipelined gets: ``items`` of ``(namespace, seq_id[, start[, end[, layers]]])``; returns
         ``(keys, values)`` pairs in order (failures as in :meth:`append_many`)."""
         return self._many(lambda it: self.get_nowait(*it, format=format, timeout_s=timeout_s), items, window,
-                          return_exceptions)
+                          return_exceptions, lambda it: self.get(*it, format=format, timeout_s=timeout_s))
 
     # -------------------------------------------------------------------------------------------- lifecycle
 

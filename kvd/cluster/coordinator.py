@@ -13,9 +13,23 @@ Clients never talk to the coordinator through Ray: it serves the topology (shard
 epoch, level, level epoch) on its own ZeroMQ endpoint (:class:`kvd.wire.server.TopologyServer`), the only address a
 client is given. The coordinator is pinned to the Ray head node and rebinds the same port after a restart.
 
-Restart: Ray restarts the actor (``max_restarts=-1``); the new process reads the persisted level, epoch,
-topology epoch and endpoint, rebinds the endpoint, and rebuilds membership as shards, whose reports are
-refused as unknown, register again. It never issues an epoch at or below one already persisted or reported.
+Namespaces and routing: ``register`` is cluster-wide. A shard that serves a ``register`` asks the coordinator
+first (:meth:`Coordinator.add_namespace`), which keeps the layout (persisted with the rest of its state) and
+pushes it to every shard before answering (``sync``); a shard that registers (started, restarted, or found
+the coordinator restarted) is handed every namespace and the routing (topology epoch and shard ids, which it
+enforces: docs/protocol.md §10) in the reply, and report replies carry whatever a shard lacks, so every shard
+converges within one report interval even if a push was lost.
+
+Clients get the topology only once it is complete and persisted: a fresh cluster answers ``Busy`` (retry)
+until every expected shard registered; every published topology was saved first, so a restarted coordinator
+serves it again at once under the same epoch, and never names a different shard list with an epoch that was
+served before.
+
+Restart: Ray restarts the actor (``max_restarts=-1``); the new process reads the persisted level, epochs,
+topology (shard ids, endpoints, incarnations), namespaces and endpoint, rebinds the endpoint, serves the
+persisted topology, and confirms membership as shards register again (their reports are refused as unknown
+only when the persisted state is lost, or they changed meanwhile). It never issues an epoch at or below one
+already persisted or reported.
 
 The plain class :class:`Coordinator` is wrapped with ``ray.remote`` in one place
 (:func:`kvd.cluster.deploy.actor_class`); :mod:`kvd.cluster.deploy` starts, locates and stops a whole kvd on a
@@ -36,7 +50,7 @@ from typing import Any
 from kvd.cluster.membership import LevelOrder, Membership, ShardReport
 from kvd.cluster.naming import curve_server_config, resolve_host, shard_ids, shard_name, state_key
 from kvd.config.settings import Config
-from kvd.errors import ConfigError
+from kvd.errors import Busy, ConfigError, KvdError
 from kvd.policy import Policy
 
 __all__ = ["Coordinator", "RayKV"]
@@ -47,6 +61,7 @@ _KV_NAMESPACE = "kvd"
 _HOUSEKEEPING_S = 0.5
 _REBIND_S = 2.0
 _REBIND_PAUSE_S = 0.1
+_PUSH_TIMEOUT_S = 2.0  # a namespace push waits this long for the shards (a dead one converges by its reports)
 
 
 class RayKV:
@@ -92,6 +107,15 @@ class RayKV:
 
 
 
+def _list_of_maps(value: Any) -> list[dict[str, Any]]:
+    """The persisted shard list, or [] when it is missing or not what this version writes."""
+    if not isinstance(value, list):
+        return []
+    if not all(isinstance(x, dict) and "id" in x and "endpoint" in x for x in value):
+        return []
+    return value
+
+
 class Coordinator:
     """Membership, the level controller and the topology endpoint. Wrapped as a Ray actor by :func:`actor_class`.
 
@@ -120,18 +144,25 @@ class Coordinator:
             recovered_epoch=recovered_epoch,
             recovered_level=recovered_level if recovered_epoch and recovered_level else None,
             recovered_topology_epoch=int(state.get("topology_epoch", 0) or 0),
+            recovered_shards=_list_of_maps(state.get("shards")),
+            recovered_namespaces=state.get("namespaces") if isinstance(state.get("namespaces"), dict) else None,
+            recovered_namespaces_version=int(state.get("namespaces_version", 0) or 0),
         )
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
         self._persist_lock = threading.Lock()
         self._orders: queue.Queue[LevelOrder | None] = queue.Queue()
         self._stopped = threading.Event()
+        self._resync = threading.Event()  # the routing or the namespaces changed: push them to every shard
+        self._saved: dict[str, Any] | None = None
+        self._served: dict[str, Any] | None = None  # the topology clients get: complete, and persisted first
         self._bind_host = resolve_host(host)
         self._server = self._start_topology_server(state.get("endpoint"))
         self._persist(force=True)
         self._threads = [
             threading.Thread(target=self._broadcast_loop, name="kvd-broadcast", daemon=True),
             threading.Thread(target=self._housekeeping_loop, name="kvd-housekeeping", daemon=True),
+            threading.Thread(target=self._sync_loop, name="kvd-sync", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -154,7 +185,7 @@ class Coordinator:
             # bounded time (bind failures are immediate, so this loop does not wait for anything else).
             deadline = time.monotonic() + (_REBIND_S if port else 0.0)
             while True:
-                server = TopologyServer(self._membership.topology, host=self._bind_host, port=port, curve=curve)
+                server = TopologyServer(self._client_topology, host=self._bind_host, port=port, curve=curve)
                 try:
                     server.start()
                     return server
@@ -171,24 +202,52 @@ class Coordinator:
 
     # ----------------------------------------------------------------------------------- shard-facing
 
-    def register(self, shard_id: str, endpoint: str, incarnation: str, node: str = "") -> dict[str, Any]:
-        """A shard (re)started: returns ``{"level": tag, "epoch": int, "topology_epoch": int}`` to apply."""
-        reg = self._membership.register(shard_id, endpoint, incarnation=incarnation, node=node, now=self._clock())
+    def register(self, shard_id: str, endpoint: str, incarnation: str, node: str = "", topology_epoch: int = 0,
+                 namespaces: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A shard (re)started: returns ``{"level": tag, "epoch": int, "topology_epoch": int}`` to apply, plus
+        every namespace (``namespaces``, ``namespaces_version``) and, once published, the ``routing``.
+        ``topology_epoch`` / ``namespaces``: what the shard had (kept from before a coordinator restart)."""
+        before = self._membership.topology_epoch
+        reg = self._membership.register(shard_id, endpoint, incarnation=incarnation, node=node, now=self._clock(),
+                                        topology_epoch=topology_epoch, namespaces=namespaces)
         self._persist()
+        if self._membership.topology_epoch != before or namespaces:
+            self._resync.set()
         log.info("shard %s registered at %s (incarnation %s)", shard_id, endpoint, incarnation)
-        return {"level": reg.level.tag, "epoch": reg.epoch, "topology_epoch": reg.topology_epoch}
+        sync = self._membership.shard_sync(topology_epoch=-1, namespaces_version=-1, now=self._clock())
+        return {"level": reg.level.tag, "epoch": reg.epoch, "topology_epoch": reg.topology_epoch, **sync}
+
+    def add_namespace(self, namespace: str, layout: list[int]) -> dict[str, Any]:
+        """A shard serves ``register``: make it cluster-wide. ``{"ok": True}`` once it is persisted and pushed
+        to every shard (or the push timed out: a shard that missed it gets it with its next report);
+        ``{"ok": False, "code", "error", "message"}`` for a layout the cluster knows otherwise."""
+        try:
+            added = self._membership.add_namespace(namespace, layout)
+        except KvdError as exc:
+            return {"ok": False, "code": exc.code, "error": type(exc).__name__, "message": str(exc)}
+        if added:
+            self._persist()
+            log.info("namespace %s registered with layout %s", namespace, list(layout))
+            self._push(wait_s=_PUSH_TIMEOUT_S)
+        return {"ok": True}
 
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
         """One shard report (the fields of :class:`ShardReport`). Returns ``{"known": bool, "level", "epoch"}``;
         ``known`` False asks the shard to register again (this coordinator does not know that process)."""
+        topology_epoch = self._membership.topology_epoch
         outcome = self._membership.report(ShardReport(**report), now=self._clock())
-        if outcome.order is not None:
+        if outcome.order is not None or self._membership.topology_epoch != topology_epoch:
             self._persist()  # before the broadcast: an epoch is durable before any shard applies it
+        if outcome.order is not None:
             self._orders.put(outcome.order)
         if not outcome.known:
             return {"known": False}
         assert outcome.level is not None
-        return {"known": True, "level": outcome.level.tag, "epoch": outcome.epoch, "reason": outcome.reason}
+        sync = self._membership.shard_sync(topology_epoch=int(report.get("topology_epoch", 0)),
+                                           namespaces_version=int(report.get("namespaces_version", 0)),
+                                           now=self._clock())
+        return {"known": True, "level": outcome.level.tag, "epoch": outcome.epoch, "reason": outcome.reason,
+                **sync}
 
     # ------------------------------------------------------------------------------------ tool-facing
 
@@ -197,7 +256,12 @@ class Coordinator:
         return str(self._server.endpoint)
 
     def topology(self) -> dict[str, Any]:
+        """The topology as membership has it now (complete or not; tools). Clients get :meth:`_client_topology`."""
         return self._membership.topology()
+
+    def namespaces(self) -> dict[str, list[int]]:
+        """Every namespace registered in the cluster: ``{name: [layers, kv_heads, head_dim]}``."""
+        return {k: list(v) for k, v in self._membership.namespaces()[1].items()}
 
     def status(self) -> dict[str, Any]:
         """Control-plane figures: level, epochs, cluster pressure, per-shard view, level-change history."""
@@ -206,6 +270,8 @@ class Coordinator:
         snap["namespace"] = self._cluster.namespace
         snap["pid"] = os.getpid()
         snap["restarted"] = self._restarted
+        snap["topology_published"] = self._served is not None
+        snap["namespaces"] = len(self._membership.namespaces()[1])
         snap["clock"] = self._clock()
         return snap
 
@@ -224,24 +290,62 @@ class Coordinator:
     # -------------------------------------------------------------------------------------- internals
 
     def _persist(self, *, force: bool = False) -> None:
+        """Save the state if it changed, then publish its topology to clients once complete: a topology is
+        served only after it was saved, so a restarted coordinator never serves an epoch it cannot recall."""
         # One writer at a time, so a slower save of an older state never lands after a newer one.
         with self._persist_lock:
-            dirty = self._membership.take_dirty()
-            if dirty is None and not force:
-                return
-            level, epoch, topology_epoch = dirty or (
-                self._membership.level,
-                self._membership.epoch,
-                self._membership.topology_epoch,
-            )
-            self._kv.save(
-                {
-                    "level": level.tag,
-                    "epoch": epoch,
-                    "topology_epoch": topology_epoch,
-                    "endpoint": self._server.endpoint,
-                }
-            )
+            self._membership.take_dirty()
+            state = self._membership.state()
+            state["endpoint"] = self._server.endpoint
+            if force or state != self._saved:
+                self._kv.save(state)
+                self._saved = state
+            if self._membership.published_topology(self._clock()) is not None:
+                self._served = {"epoch": state["topology_epoch"],
+                                "shards": [{"id": s["id"], "endpoint": s["endpoint"]} for s in state["shards"]]}
+
+    def _client_topology(self) -> dict[str, Any]:
+        """What the topology endpoint serves: the last published topology, with the level in force; ``Busy``
+        (retry) until membership is complete."""
+        served = self._served
+        if served is None:
+            missing = self._membership.expected_missing()
+            raise Busy(f"the coordinator is still building its membership ({len(missing)} shard(s) not "
+                       f"registered yet: {', '.join(missing[:8])}); retry after a short backoff")
+        return {**served, "level": self._membership.level.tag, "level_epoch": self._membership.epoch}
+
+    def _push(self, *, wait_s: float) -> None:
+        """Send every shard the routing and all namespaces (``Shard.sync``); wait up to ``wait_s`` for them."""
+        import ray
+
+        payload = self._membership.shard_sync(topology_epoch=-1, namespaces_version=-1, now=self._clock())
+        refs: dict[Any, str] = {}
+        for state in self._membership.shards():
+            try:
+                refs[self._handle(state.shard_id).sync.remote(payload)] = state.shard_id
+            except Exception as exc:  # noqa: BLE001 - a dead shard converges through its next report
+                with self._handles_lock:
+                    self._handles.pop(state.shard_id, None)
+                log.warning("sync to %s failed: %s", state.shard_id, exc)
+        if refs and wait_s > 0:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=wait_s)
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception as exc:  # noqa: BLE001
+                    with self._handles_lock:
+                        self._handles.pop(refs[ref], None)  # look it up again: it may have restarted
+                    log.warning("sync to %s failed: %s", refs[ref], exc)
+
+    def _sync_loop(self) -> None:
+        while not self._stopped.is_set():
+            if not self._resync.wait(_HOUSEKEEPING_S):
+                continue
+            self._resync.clear()
+            try:
+                self._push(wait_s=self._cluster.ray_timeout_s)
+            except Exception:  # noqa: BLE001 - keep the loop alive; reports converge the shards anyway
+                log.exception("coordinator sync failed")
 
     def _handle(self, shard_id: str) -> Any:
         with self._handles_lock:
@@ -284,10 +388,14 @@ class Coordinator:
                 log.warning("set_level(%s, %d) to %s timed out", order.level.tag, order.epoch, shard_id)
 
     def _housekeeping_loop(self) -> None:
+        published = self._served is not None
         while not self._stopped.wait(_HOUSEKEEPING_S):
             try:
                 for shard_id in self._membership.expire(self._clock()):
                     log.warning("shard %s stopped reporting; marked down", shard_id)
                 self._persist()
+                if not published and self._served is not None:
+                    published = True
+                    self._resync.set()  # the routing is complete now: hand it to the shards at once
             except Exception:  # noqa: BLE001 - keep the loop alive whatever happens
                 log.exception("coordinator housekeeping failed")

@@ -29,6 +29,19 @@ level changes, the *level epoch* increases by one and a :class:`LevelOrder` for 
 the caller persists the epoch and broadcasts ``set_level(level, epoch)``. A shard that reports an older epoch
 is sent the current order again (a lost broadcast or a restarted, empty shard converges within one report).
 
+Publishing. Clients and shards get the topology only once it is complete (:meth:`Membership.published_topology`,
+:meth:`Membership.shard_sync`): a fresh cluster when every expected shard has registered (or ``ready_grace_s``
+has passed), a restarted coordinator at once with the topology it persisted (:meth:`Membership.state`). A
+partial list would route the missing shards' sequences to others. The topology epoch is bumped for a new id, a
+new endpoint or a new incarnation (a shard restarted, even on its old port), and it is never reused: a
+registration or report carrying a newer topology epoch than this coordinator knows (its persisted state was
+lost) puts its own past it.
+
+Namespaces. ``register`` is cluster-wide: the coordinator keeps every namespace's layout
+(:meth:`Membership.add_namespace`, the first layout wins), persists it, and hands it to every shard with its
+registration and whenever a report shows the shard is behind (``namespaces_version``), so a restarted or new
+shard knows every namespace before it serves.
+
 Restarts. A coordinator restarted with ``recovered_epoch`` / ``recovered_level`` (from persistent storage)
 continues from there; a report carrying a newer epoch than the coordinator knows raises the floor, so no epoch
 is ever issued twice or backwards. Until every expected shard has reported (or ``stale_after_s`` has passed)
@@ -44,7 +57,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvd.errors import InvalidArgument
+from kvd.errors import InvalidArgument, LayoutMismatch
 from kvd.policy import Level, Policy
 
 __all__ = ["Membership", "ShardReport", "ShardState", "LevelOrder", "Registration", "ReportOutcome", "LevelChange"]
@@ -70,11 +83,13 @@ class ShardReport:
     # used_bytes re-counted at fp16, the 8-bit rung and q4 (Store.used_by_rung); None: as used_bytes
     used_by_rung: tuple[int, int, int] | None = None
     ahead: str | None = None  # the level the shard runs at under its own pressure, above `level`
+    topology_epoch: int = 0  # of the routing the shard enforces (0: none yet)
+    namespaces_version: int = 0  # of the namespaces the shard was last handed
 
     def __post_init__(self) -> None:
         if not self.shard_id or not isinstance(self.shard_id, str):
             raise InvalidArgument(f"shard_id must be a non-empty str, got {self.shard_id!r}")
-        for name in ("used_bytes", "capacity_bytes", "epoch"):
+        for name in ("used_bytes", "capacity_bytes", "epoch", "topology_epoch", "namespaces_version"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
@@ -195,6 +210,10 @@ class Membership:
         recovered_epoch: int = 0,
         recovered_level: Level | str | None = None,
         recovered_topology_epoch: int = 0,
+        recovered_shards: Iterable[dict[str, Any]] = (),
+        recovered_namespaces: dict[str, Any] | None = None,
+        recovered_namespaces_version: int = 0,
+        ready_grace_s: float | None = None,
     ) -> None:
         if pressure_mode not in PRESSURE_MODES:
             raise InvalidArgument(f"pressure_mode must be one of {PRESSURE_MODES}, got {pressure_mode!r}")
@@ -216,6 +235,19 @@ class Membership:
         # When raw pressure last rose through each threshold (cleared when it falls back below).
         self._crossed_at: dict[float, float] = {}
         self._topology_epoch = int(recovered_topology_epoch)
+        # A fresh cluster publishes once every expected shard registered, or after this grace.
+        self.ready_grace_s = float(ready_grace_s) if ready_grace_s else 3.0 * self._stale_after_s
+        for item in recovered_shards:
+            # The persisted topology: served at once, under its own epoch, until the shards register again.
+            sid, endpoint = str(item["id"]), str(item["endpoint"])
+            self._shards[sid] = ShardState(shard_id=sid, endpoint=endpoint,
+                                           incarnation=str(item.get("incarnation", "")),
+                                           node=str(item.get("node", "")), registered_at=now)
+        self._ready = bool(self._shards) and self._topology_epoch > 0
+        self._namespaces: dict[str, tuple[int, int, int]] = {}
+        for name, layout in (recovered_namespaces or {}).items():
+            self._namespaces[str(name)] = _layout(name, layout)
+        self._namespaces_version = max(int(recovered_namespaces_version), len(self._namespaces))
         if recovered_epoch > 0 and recovered_level is not None:
             self._level = Level.parse(recovered_level)
             self._epoch = int(recovered_epoch)
@@ -249,6 +281,19 @@ class Membership:
     def stale_after_s(self) -> float:
         return self._stale_after_s
 
+    def state(self) -> dict[str, Any]:
+        """Everything a restarted coordinator needs (to persist): level, epochs, shards, namespaces."""
+        with self._lock:
+            return {
+                "level": self._level.tag,
+                "epoch": self._epoch,
+                "topology_epoch": self._topology_epoch,
+                "shards": [{"id": s.shard_id, "endpoint": s.endpoint, "incarnation": s.incarnation, "node": s.node}
+                           for _, s in sorted(self._shards.items())],
+                "namespaces": {k: list(v) for k, v in self._namespaces.items()},
+                "namespaces_version": self._namespaces_version,
+            }
+
     def take_dirty(self) -> tuple[Level, int, int] | None:
         """``(level, epoch, topology_epoch)`` if they changed since the last call (to persist), else None."""
         with self._lock:
@@ -260,18 +305,34 @@ class Membership:
     # ------------------------------------------------------------------------------------------- events
 
     def register(
-        self, shard_id: str, endpoint: str, *, incarnation: str, now: float, node: str = ""
+        self,
+        shard_id: str,
+        endpoint: str,
+        *,
+        incarnation: str,
+        now: float,
+        node: str = "",
+        topology_epoch: int = 0,
+        namespaces: dict[str, Any] | None = None,
     ) -> Registration:
         """A shard (re)started and serves ``endpoint``. Returns the level and epoch it must apply now.
 
-        A new id or a new endpoint bumps the topology epoch; a new ``incarnation`` of a known id counts a
-        restart and forgets the old process's figures (it came back empty).
+        A new id, a new endpoint or a new ``incarnation`` bumps the topology epoch; a new incarnation of a
+        known id counts a restart and forgets the old process's figures (it came back empty).
+        ``topology_epoch``: the newest the shard was handed (this epoch goes past it); ``namespaces``: the
+        shard's own (``{name: (layers, kv_heads, head_dim)}``), added where the cluster has none of that name.
         """
         if not shard_id or not isinstance(shard_id, str):
             raise InvalidArgument(f"shard_id must be a non-empty str, got {shard_id!r}")
         if not endpoint or not isinstance(endpoint, str):
             raise InvalidArgument(f"endpoint must be a non-empty str, got {endpoint!r}")
         with self._lock:
+            self._raise_topology_floor(topology_epoch)
+            for name, layout in (namespaces or {}).items():
+                if name not in self._namespaces:
+                    self._namespaces[str(name)] = _layout(name, layout)
+                    self._namespaces_version += 1
+                    self._epoch_dirty = True
             old = self._shards.get(shard_id)
             if old is None:
                 self._shards[shard_id] = ShardState(
@@ -287,8 +348,7 @@ class Membership:
                     registered_at=now,
                     restarts=old.restarts + (old.incarnation != incarnation),
                 )
-                if old.endpoint != endpoint:
-                    self._bump_topology()
+                self._bump_topology()
             elif not old.up:
                 self._shards[shard_id] = replace(old, up=True)
             return Registration(self._level, self._epoch, self._topology_epoch)
@@ -310,6 +370,7 @@ class Membership:
                 used_by_rung=report.used_by_rung,
                 ahead=report.ahead,
             )
+            self._raise_topology_floor(report.topology_epoch)
             if report.epoch > self._epoch:
                 # A shard applied an epoch this coordinator never issued: its predecessor did, and its state
                 # was lost. Adopt it so the next order is newer than anything any shard has applied.
@@ -352,7 +413,60 @@ class Membership:
             self._bump_topology()
             return True
 
+    def add_namespace(self, namespace: str, layout: Any) -> bool:
+        """Register ``namespace`` with ``layout`` (layers, kv_heads, head_dim) for the whole cluster. True if
+        it is new; False if known with this layout; :class:`LayoutMismatch` if known with another."""
+        if not namespace or not isinstance(namespace, str):
+            raise InvalidArgument(f"namespace must be a non-empty str, got {namespace!r}")
+        new = _layout(namespace, layout)
+        with self._lock:
+            old = self._namespaces.get(namespace)
+            if old == new:
+                return False
+            if old is not None:
+                raise LayoutMismatch(
+                    f"namespace {namespace!r} is registered in this cluster as (layers={old[0]}, "
+                    f"kv_heads={old[1]}, head_dim={old[2]}), not (layers={new[0]}, kv_heads={new[1]}, "
+                    f"head_dim={new[2]})"
+                )
+            self._namespaces[namespace] = new
+            self._namespaces_version += 1
+            self._epoch_dirty = True
+            return True
+
     # ------------------------------------------------------------------------------------------ queries
+
+    def namespaces(self) -> tuple[int, dict[str, tuple[int, int, int]]]:
+        """``(version, {namespace: (layers, kv_heads, head_dim)})``; the version grows with every addition."""
+        with self._lock:
+            return self._namespaces_version, dict(self._namespaces)
+
+    def published_topology(self, now: float) -> dict[str, Any] | None:
+        """The topology to serve clients (as :meth:`topology`), or None while it is incomplete: a fresh
+        cluster before every expected shard registered (or ``ready_grace_s`` passed). Once complete, always."""
+        with self._lock:
+            if not self._is_ready(now):
+                return None
+            return self._topology()
+
+    def shard_sync(
+        self, *, topology_epoch: int, namespaces_version: int, now: float | None = None
+    ) -> dict[str, Any]:
+        """What a shard that has ``topology_epoch`` / ``namespaces_version`` lacks: ``routing`` (``{"epoch",
+        "shards": [ids]}``, only once the topology is published) and ``namespaces`` (``{name: [L, H, D]}``),
+        each only when it differs; ``namespaces_version`` always."""
+        with self._lock:
+            out: dict[str, Any] = {"namespaces_version": self._namespaces_version}
+            if self._is_ready(self._started_at if now is None else now) and topology_epoch != self._topology_epoch:
+                out["routing"] = {"epoch": self._topology_epoch, "shards": sorted(self._shards)}
+            if namespaces_version != self._namespaces_version:
+                out["namespaces"] = {k: list(v) for k, v in self._namespaces.items()}
+            return out
+
+    def expected_missing(self) -> list[str]:
+        """Expected shard ids that have not registered."""
+        with self._lock:
+            return [sid for sid in self._expected if sid not in self._shards]
 
     def shards(self) -> list[ShardState]:
         with self._lock:
@@ -364,14 +478,25 @@ class Membership:
             return self._pressure()
 
     def topology(self) -> dict[str, Any]:
-        """``{"epoch", "shards": [{"id", "endpoint"}], "level", "level_epoch"}`` for clients, ids sorted."""
+        """``{"epoch", "shards": [{"id", "endpoint"}], "level", "level_epoch"}``, ids sorted, as it is now
+        (complete or not: for tools; clients get :meth:`published_topology`)."""
         with self._lock:
-            return {
-                "epoch": self._topology_epoch,
-                "shards": [{"id": s.shard_id, "endpoint": s.endpoint} for _, s in sorted(self._shards.items())],
-                "level": self._level.tag,
-                "level_epoch": self._epoch,
-            }
+            return self._topology()
+
+    def _topology(self) -> dict[str, Any]:
+        return {
+            "epoch": self._topology_epoch,
+            "shards": [{"id": s.shard_id, "endpoint": s.endpoint} for _, s in sorted(self._shards.items())],
+            "level": self._level.tag,
+            "level_epoch": self._epoch,
+        }
+
+    def _is_ready(self, now: float) -> bool:
+        if not self._ready and self._shards and (
+            set(self._expected) <= set(self._shards) or now - self._started_at >= self.ready_grace_s
+        ):
+            self._ready = True  # once complete, the topology is served from then on (a shard down stays listed)
+        return self._ready
 
     def history(self) -> list[LevelChange]:
         with self._lock:
@@ -426,6 +551,13 @@ class Membership:
     def _bump_topology(self) -> None:
         self._topology_epoch += 1
         self._epoch_dirty = True
+
+    def _raise_topology_floor(self, seen: int) -> None:
+        """A shard was handed topology epoch ``seen`` by a predecessor whose state is lost: go past it, so
+        no epoch names two different shard lists."""
+        if seen > self._topology_epoch:
+            self._topology_epoch = seen
+            self._bump_topology()
 
     def _expire(self, now: float) -> list[str]:
         gone = []
@@ -573,6 +705,17 @@ class Membership:
             if change.epoch == epoch:
                 return change.level
         return state.level
+
+
+def _layout(namespace: Any, layout: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` from a sequence of three positive ints; InvalidArgument otherwise."""
+    try:
+        values = tuple(layout)
+    except TypeError:
+        values = ()
+    if len(values) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
+        raise InvalidArgument(f"the layout of namespace {namespace!r} must be 3 positive ints, got {layout!r}")
+    return values[0], values[1], values[2]
 
 
 def _change_dict(change: LevelChange) -> dict[str, Any]:

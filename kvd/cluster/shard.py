@@ -14,7 +14,17 @@ then reports ``used_bytes`` / ``capacity_bytes`` and the applied level and epoch
 
 Ray restarts a dead shard (``max_restarts=-1``) with the same shard id: it comes back empty, on a new port,
 registers again and takes the current level; the coordinator publishes the new endpoint in the topology.
-``cluster.shard_ports`` confines the ports to a range (for firewalls); a port is then picked at random in it.
+``cluster.shard_ports`` confines the ports to a range (for firewalls); a port is then picked at random in it,
+so a restarted shard may come back on its predecessor's port. Clients tell the two apart by the incarnation
+id (``hello``, protocol 1.3): an append meant for the dead process is refused with WrongShard.
+
+Namespaces and routing (docs/protocol.md §6.3, §10). The registration reply hands the shard every namespace
+of the cluster and the routing (topology epoch and shard ids), so a restarted or new shard knows every
+namespace before it is published, and refuses sequences another shard owns (WrongShard). ``register``
+served by this shard is made cluster-wide first (``Coordinator.add_namespace``, which pushes it to every
+shard); if the coordinator cannot be reached the namespace is registered here and handed over with the next
+registration or report. Reports carry the epoch and namespaces version the shard has, and their replies
+whatever it lacks; the coordinator also pushes changes (:meth:`Shard.sync`).
 
 Data never passes through this actor's Ray methods: clients talk to the ShardServer directly.
 """
@@ -31,7 +41,7 @@ import uuid
 from typing import Any
 
 from kvd.config.settings import Config
-from kvd.errors import ConfigError
+from kvd.errors import ConfigError, KvdError, LayoutMismatch, error_for_code
 from kvd.store import buffers
 
 __all__ = ["Shard"]
@@ -40,6 +50,7 @@ log = logging.getLogger("kvd.cluster.shard")
 
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
+_ADD_NAMESPACE_S = 2.0  # the longest a register waits for the coordinator (it holds the serving thread)
 
 
 def _candidate_ports(port_range: tuple[int, int] | None) -> list[int]:
@@ -82,6 +93,9 @@ class Shard:
                 port=port,
                 curve=curve,
                 compact_budget_bytes=config.store.compact_budget_bytes,
+                incarnation=self._incarnation,
+                on_register=self._register_namespace,
+                starting=True,  # no data before the cluster's namespaces are known (the first registration)
             )
             try:
                 self._endpoint = server.start()
@@ -96,6 +110,10 @@ class Shard:
                 f"on {bind_host}: {last_exc}"
             )
         self._node = socket.gethostname()
+        self._namespaces_lock = threading.Lock()
+        self._namespaces: dict[str, tuple[int, int, int]] = {}  # every namespace this shard knows
+        self._pending: dict[str, tuple[int, int, int]] = {}  # registered here, not yet known to the coordinator
+        self._namespaces_version = 0
         self._stopped = threading.Event()
         self._registered = threading.Event()
         self._coordinator: Any = None
@@ -112,6 +130,12 @@ class Shard:
         """Apply a level order (older epochs are ignored by the store). Returns the epoch now in force."""
         self._store.set_level(level, epoch, reason)
         return int(self._store.stats()["epoch"])
+
+    def sync(self, state: dict[str, Any]) -> int:
+        """Apply what the coordinator pushes: ``namespaces`` and ``routing`` (see :meth:`_sync`). Returns the
+        topology epoch now enforced."""
+        self._sync(state)
+        return self._server.topology_epoch
 
     def stats(self) -> dict[str, Any]:
         """The store's stats plus the server's metrics (``server_*``), this shard's identity and its process's
@@ -135,6 +159,8 @@ class Shard:
             "pid": os.getpid(),
             "node": self._node,
             "registered": self._registered.is_set(),
+            "topology_epoch": self._server.topology_epoch,
+            "namespaces": len(self._namespaces),
             "reports": self._reports,
             "report_errors": self._report_errors,
             "last_report_error": self._last_error,
@@ -156,6 +182,71 @@ class Shard:
 
     def _apply(self, reply: dict[str, Any]) -> None:
         self._store.set_level(reply["level"], int(reply["epoch"]), str(reply.get("reason", "")))
+        self._sync(reply)
+
+    def _sync(self, state: dict[str, Any]) -> None:
+        """Register every namespace of ``state["namespaces"]`` here and enforce ``state["routing"]`` if newer."""
+        namespaces = state.get("namespaces")
+        if isinstance(namespaces, dict):
+            for name, layout in namespaces.items():
+                self._learn(name, tuple(layout))
+        version = state.get("namespaces_version")
+        if isinstance(version, int) and isinstance(namespaces, dict):
+            self._namespaces_version = version
+        routing = state.get("routing")
+        if isinstance(routing, dict) and self._server.set_routing(int(routing["epoch"]), list(routing["shards"])):
+            log.info("shard %s routes by topology epoch %d", self._shard_id, int(routing["epoch"]))
+
+    def _learn(self, name: str, layout: tuple[int, int, int]) -> None:
+        with self._namespaces_lock:
+            if self._namespaces.get(name) == layout:
+                return
+        try:
+            self._store.register(name, num_layers=layout[0], num_kv_heads=layout[1], head_dim=layout[2])
+        except KvdError as exc:  # this shard has it otherwise (registered while the coordinator was away)
+            log.error("shard %s cannot take namespace %s %s from the coordinator: %s", self._shard_id, name,
+                      list(layout), exc)
+            return
+        with self._namespaces_lock:
+            self._namespaces[name] = layout
+
+    def _register_namespace(self, namespace: str, layout: tuple[int, int, int]) -> None:
+        """The server's ``register`` hook (serving thread): make it cluster-wide before it is applied here.
+        Raises LayoutMismatch if the cluster has another layout; if the coordinator does not answer within
+        ``_ADD_NAMESPACE_S``, registers here only and hands it over later (the reporter)."""
+        import ray
+
+        with self._namespaces_lock:
+            if self._namespaces.get(namespace) == layout:
+                return  # known cluster-wide already
+        coordinator = self._coordinator
+        if coordinator is not None and self._registered.is_set():
+            try:
+                reply = ray.get(coordinator.add_namespace.remote(namespace, list(layout)),
+                                timeout=min(_ADD_NAMESPACE_S, self._config.cluster.ray_timeout_s))
+            except Exception as exc:  # noqa: BLE001 - the coordinator is away: keep it for later
+                log.warning("shard %s: namespace %s not handed to the coordinator yet: %s", self._shard_id,
+                            namespace, exc)
+            else:
+                if not reply.get("ok"):
+                    raise error_for_code(int(reply.get("code", LayoutMismatch.code)), str(reply.get("message")))
+                return
+        with self._namespaces_lock:
+            self._pending[namespace] = layout
+
+    def _hand_over_pending(self, timeout_s: float) -> None:
+        """Namespaces registered here while the coordinator was away: make them cluster-wide now."""
+        import ray
+
+        with self._namespaces_lock:
+            pending = dict(self._pending)
+        for name, layout in pending.items():
+            reply = ray.get(self._coordinator.add_namespace.remote(name, list(layout)), timeout=timeout_s)
+            if not reply.get("ok"):
+                log.error("shard %s: namespace %s %s registered here conflicts with the cluster: %s",
+                          self._shard_id, name, list(layout), reply.get("message"))
+            with self._namespaces_lock:
+                self._pending.pop(name, None)
 
     def _report_loop(self) -> None:
         import ray
@@ -171,14 +262,20 @@ class Shard:
                 if self._coordinator is None:
                     self._coordinator = ray.get_actor(coordinator_name(), namespace=cluster.namespace)
                 if not self._registered.is_set():
+                    with self._namespaces_lock:
+                        mine = {k: list(v) for k, v in {**self._namespaces, **self._pending}.items()}
                     reply = ray.get(
                         self._coordinator.register.remote(
-                            self._shard_id, self._endpoint, self._incarnation, self._node
+                            self._shard_id, self._endpoint, self._incarnation, self._node,
+                            self._server.topology_epoch, mine,
                         ),
                         timeout=timeout_s,
                     )
                     self._apply(reply)
                     self._registered.set()
+                    self._server.open_for_data()
+                if self._pending:
+                    self._hand_over_pending(timeout_s)
                 stats = self._store.stats()
                 reply = ray.get(
                     self._coordinator.report.remote(
@@ -193,6 +290,8 @@ class Shard:
                             "node": self._node,
                             "used_by_rung": list(self._store.used_by_rung()),
                             "ahead": stats["ahead"],
+                            "topology_epoch": self._server.topology_epoch,
+                            "namespaces_version": self._namespaces_version,
                         }
                     ),
                     timeout=timeout_s,
@@ -206,6 +305,8 @@ class Shard:
                 backoff_s = _BACKOFF_MIN_S
                 wait_s = cluster.report_interval_s
             except Exception as exc:  # noqa: BLE001 - coordinator missing, restarting or slow: retry
+                if time.time() - self._started_at > cluster.ray_timeout_s:
+                    self._server.open_for_data()  # no coordinator for that long: serve what this shard knows
                 self._report_errors += 1
                 self._last_error = f"{type(exc).__name__}: {exc}"
                 self._coordinator = None

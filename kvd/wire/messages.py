@@ -113,9 +113,27 @@ def _check_fields(msg: _Message, exc: type[KvdError]) -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class HelloRequest(_Message):
-    """Ask for the server's protocol version, limits and identity. Reply: :class:`HelloReply`."""
+    """Ask for the server's protocol version, limits and identity. Reply: :class:`HelloReply`.
+
+    ``incarnation`` (protocol 1.3) asks a shard for its incarnation id too; on the wire only when true, so a
+    request without it is the same bytes as in 1.0 (a server older than 1.3 refuses it with ProtocolError).
+    """
 
     OP = "hello"
+    EXTRA_KEYS = ("incarnation",)
+    incarnation: bool = False
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if not wire:
+            object.__setattr__(self, "incarnation", check_bool("incarnation", self.incarnation, InvalidArgument))
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        return ({"incarnation": True} if self.incarnation else {}), []
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        value = header.get("incarnation")
+        return {"incarnation": False if value is None else check_bool("incarnation", value, ProtocolError)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,13 +168,15 @@ class AppendRequest(_Message):
     pass it only to send integer arrays holding bfloat16 bit patterns. ``offset``: if set, the server applies
     the append only when the sequence's current length equals it (safe pipelining); else InvalidArgument.
     ``position`` (protocol 1.3): where the sequence's token 0 sits in its prompt (Store.append); it is on the
-    wire only when set, so a request without it is the same bytes as in 1.2.
+    wire only when set, so a request without it is the same bytes as in 1.2. ``incarnation`` (protocol 1.3):
+    if set, a shard of another incarnation (it restarted, empty) refuses the append with WrongShard; on the
+    wire only when set.
     """
 
     OP = "append"
     FIELDS = (*_NS_SEQ, ("offset", check_opt_position))
     OPTIONAL = ("offset",)
-    EXTRA_KEYS = ("dtype", "shape", "position")
+    EXTRA_KEYS = ("dtype", "shape", "position", "incarnation")
     FRAMES = 2
     namespace: str
     seq_id: SeqId
@@ -165,22 +185,30 @@ class AppendRequest(_Message):
     offset: int | None = None
     dtype: str | None = None
     position: int | None = None
+    incarnation: str | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
         if not wire:  # a decoded request's arrays were built from the frames with the declared dtype and shape
             check_tensors(self, min_dims=(1, 1, 1, 1), declared=self.dtype)
             object.__setattr__(self, "position", check_opt_position("position", self.position, InvalidArgument))
+            if self.incarnation is not None:
+                check_short_text("incarnation", self.incarnation, InvalidArgument)
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
         extra: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.keys.shape)}
         if self.position is not None:
             extra["position"] = self.position
+        if self.incarnation is not None:
+            extra["incarnation"] = self.incarnation
         return extra, [tensor_frame(self.keys), tensor_frame(self.values)]
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
         out = tensors_from_wire(header, frames, min_dims=(1, 1, 1, 1), dtypes=tuple(DTYPES))
         out["position"] = check_opt_position("position", header.get("position"), ProtocolError)
+        value = header.get("incarnation")
+        if value is not None:
+            out["incarnation"] = check_short_text("incarnation", value, ProtocolError)
         return out
 
 
@@ -295,6 +323,7 @@ class HelloReply(_Message):
 
     ``role`` is ``"shard"`` (serves data; ``shard_id`` is the id routing uses; ``page_tokens`` is set) or
     ``"coordinator"`` (serves the topology; ``shard_id`` is its name; ``page_tokens`` is None).
+    ``incarnation`` (protocol 1.3): a shard's incarnation id, sent only to a hello that asked for it.
     """
 
     OP = "hello"
@@ -309,6 +338,7 @@ class HelloReply(_Message):
         *((name, check_position) for name in _LIMIT_FIELDS),
     )
     OPTIONAL = ("page_tokens",)
+    EXTRA_KEYS = ("incarnation",)
     protocol_version: int = PROTOCOL_VERSION
     protocol_minor: int = PROTOCOL_MINOR
     kvd_version: str
@@ -320,8 +350,11 @@ class HelloReply(_Message):
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     max_frames: int = DEFAULT_MAX_FRAMES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    incarnation: str | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
+        if not wire and self.incarnation is not None:
+            check_short_text("incarnation", self.incarnation, InvalidArgument)
         if (self.page_tokens is None) != (self.role == "coordinator"):
             raise InvalidArgument(
                 f"page_tokens must be set for a shard and nil for a coordinator, got role "
@@ -335,6 +368,14 @@ class HelloReply(_Message):
     @property
     def limits(self) -> Limits:
         return Limits(**{name: getattr(self, name) for name in _LIMIT_FIELDS})
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        return ({"incarnation": self.incarnation} if self.incarnation is not None else {}), []
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        value = header.get("incarnation")
+        return {"incarnation": None if value is None else check_short_text("incarnation", value, ProtocolError)}
 
     @classmethod
     def for_limits(cls, limits: Limits, **fields: Any) -> HelloReply:

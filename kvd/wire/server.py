@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -62,10 +63,20 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvd import __version__
 from kvd.codec import pages
-from kvd.errors import Busy, ConfigError, Conflict, KvdError, MessageTooLarge, ProtocolError, UnknownSequence
+from kvd.errors import (
+    Busy,
+    ConfigError,
+    Conflict,
+    KvdError,
+    MessageTooLarge,
+    ProtocolError,
+    UnknownSequence,
+    WrongShard,
+)
 from kvd.store.core import PACK_FRAME_BYTES, Store
 from kvd.wire import protocol as p
 from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig, keygen
+from kvd.wire.routing import Router
 from kvd.wire.sockets import (
     COPY_THRESHOLD_BYTES,
     DEFAULT_HEARTBEAT_IVL_S,
@@ -91,6 +102,8 @@ IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and 
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
+_OWNER_CACHE = 65536  # sequences whose owner a shard remembers (per routing)
+_START_UP_OPS = (p.HelloRequest, p.PingRequest, p.StatsRequest)  # served while a shard is starting
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
 # microseconds per call, a measurable share of a small request.
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
@@ -492,6 +505,13 @@ class ShardServer(_RouterServer):
     ``max_queued_bytes`` (admission; beyond them requests get ``Busy``), ``hwm`` (ZeroMQ SNDHWM/RCVHWM per peer),
     ``heartbeat_ivl_s`` / ``heartbeat_timeout_s``, ``linger_s``, ``recycle_memory`` (:meth:`start` calls
     :func:`tune_malloc`, process-wide: meant for a process that hosts shards).
+
+    In a cluster (kvd.cluster.shard): ``incarnation`` (this process's id, told to a ``hello`` that asks and
+    checked against an ``append`` that names one), ``on_register`` (called with ``(namespace, (layers,
+    kv_heads, head_dim))`` before a ``register`` is applied: makes it cluster-wide; raises to refuse it), and
+    :meth:`set_routing` (the topology whose ownership the shard enforces: WrongShard for another's sequence),
+    ``starting`` (data operations are answered Busy until :meth:`open_for_data`: a restarted shard first learns
+    the cluster's namespaces, so its lost sequences are UnknownSequence, never UnknownNamespace).
     """
 
     _NAME = "shard server"
@@ -503,7 +523,9 @@ class ShardServer(_RouterServer):
                  max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES, hwm: int = DEFAULT_HWM,
                  heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 linger_s: float = DEFAULT_LINGER_S, recycle_memory: bool = True) -> None:
+                 linger_s: float = DEFAULT_LINGER_S, recycle_memory: bool = True, incarnation: str | None = None,
+                 on_register: Callable[[str, tuple[int, int, int]], None] | None = None,
+                 starting: bool = False) -> None:
         super().__init__(host=host, port=port, limits=limits, curve=curve, max_queued_requests=max_queued_requests,
                          max_queued_bytes=max_queued_bytes, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
                          heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s)
@@ -516,6 +538,12 @@ class ShardServer(_RouterServer):
         self._compact_budget = compact_budget_bytes
         self._compact_every = compact_every
         self._recycle_memory = recycle_memory
+        self._incarnation = None if incarnation is None else p.check_short_text("incarnation", incarnation,
+                                                                                 ConfigError)
+        self._on_register_hook = on_register
+        self._starting = bool(starting)  # data operations get Busy until open_for_data() (cluster start-up)
+        # (topology epoch, router, this shard's index in it, owner cache): None until a cluster hands one
+        self._routing: tuple[int, Router, int, dict[tuple[str, type, Any], int]] | None = None
         self._handlers: dict[type, Callable[[Any], Any]] = {
             p.HelloRequest: self._on_hello, p.PingRequest: lambda r: p.PingReply.trusted(request_id=r.request_id),
             p.RegisterRequest: self._on_register, p.AppendRequest: self._on_append, p.GetRequest: self._on_get,
@@ -527,12 +555,62 @@ class ShardServer(_RouterServer):
     def shard_id(self) -> str:
         return self._shard_id
 
+    @property
+    def incarnation(self) -> str | None:
+        return self._incarnation
+
+    @property
+    def topology_epoch(self) -> int:
+        """The epoch of the routing enforced (0: none)."""
+        routing = self._routing
+        return 0 if routing is None else routing[0]
+
+    def set_routing(self, epoch: int, shard_ids: list[str]) -> bool:
+        """Enforce ownership by rendezvous hashing over ``shard_ids`` (docs/protocol.md §10) from now on, if
+        ``epoch`` is newer than the routing in force. Any thread may call it. Returns whether it applied."""
+        current = self._routing
+        if current is not None and epoch <= current[0]:
+            return False
+        if self._shard_id not in shard_ids:
+            log.warning("shard %s: topology epoch %d does not list this shard; routing not enforced",
+                        self._shard_id, epoch)
+            self._routing = None
+            return False
+        router = Router(list(shard_ids))
+        self._routing = (int(epoch), router, router.shard_ids.index(self._shard_id), {})
+        return True
+
+    def _check_owner(self, namespace: str, seq_id: Any) -> None:
+        """WrongShard unless this shard owns ``(namespace, seq_id)`` by the routing in force (if any)."""
+        routing = self._routing
+        if routing is None:
+            return
+        epoch, router, mine, cache = routing
+        key = (namespace, type(seq_id), seq_id)
+        index = cache.get(key)
+        if index is None:
+            index = router.owner(namespace, seq_id)
+            if len(cache) >= _OWNER_CACHE:
+                cache.clear()
+            cache[key] = index
+        if index != mine:
+            raise WrongShard(f"shard {self._shard_id!r} does not own sequence {seq_id!r} of namespace "
+                             f"{namespace!r}: shard {router.shard_ids[index]!r} does (topology epoch {epoch}); "
+                             "refresh the topology and resend. Nothing was done")
+
     def start(self, timeout_s: float = 10.0) -> str:
         if self._recycle_memory:
             tune_malloc()  # a shard's process serves large buffers all day: recycle them (see tune_malloc)
         return super().start(timeout_s)
 
+    def open_for_data(self) -> None:
+        """Serve data operations (after ``starting=True``); any thread."""
+        self._starting = False
+
     def _execute(self, req: Any) -> Any:
+        if self._starting and type(req) not in _START_UP_OPS:
+            raise Busy(f"shard {self._shard_id!r} is starting (registering with the coordinator); the request "
+                       "was not executed: retry after a short backoff")
         handler = self._handlers.get(type(req))
         if handler is None:
             raise ProtocolError(f"op {req.OP!r} is served by the coordinator, not by shard {self._shard_id!r}")
@@ -553,14 +631,26 @@ class ShardServer(_RouterServer):
         return freed > 0
 
     def _on_hello(self, req: p.HelloRequest) -> p.HelloReply:
-        return self._hello(req, role="shard", name=self._shard_id, page_tokens=self._store.page_tokens)
+        reply = self._hello(req, role="shard", name=self._shard_id, page_tokens=self._store.page_tokens)
+        if req.incarnation and self._incarnation is not None:  # protocol 1.3, only to a hello that asks
+            reply = dataclasses.replace(reply, incarnation=self._incarnation)
+        return reply
 
     def _on_register(self, req: p.RegisterRequest) -> p.RegisterReply:
+        if self._on_register_hook is not None:  # cluster-wide first: the cluster may know another layout
+            self._on_register_hook(req.namespace, (req.num_layers, req.num_kv_heads, req.head_dim))
         self._store.register(req.namespace, num_layers=req.num_layers, num_kv_heads=req.num_kv_heads,
                              head_dim=req.head_dim)
         return p.RegisterReply.trusted(request_id=req.request_id)
 
     def _on_append(self, req: p.AppendRequest) -> p.AppendReply:
+        if req.incarnation is not None and req.incarnation != self._incarnation:
+            raise WrongShard(f"shard {self._shard_id!r} is incarnation {self._incarnation}, not {req.incarnation} "
+                             "that the append names (the shard restarted, or the sequence was written to another "
+                             "shard): the sequence's earlier tokens are not here. Nothing was written: say hello "
+                             "again, then resend with offset (or start the sequence over)")
+        if self._routing is not None:
+            self._check_owner(req.namespace, req.seq_id)
         store = self._store
         if req.offset is not None:
             try:
@@ -579,6 +669,8 @@ class ShardServer(_RouterServer):
         return p.AppendReply.trusted(request_id=req.request_id, length=int(length))
 
     def _on_get(self, req: p.GetRequest) -> p.GetReply | p.GetPagesReply:
+        if self._routing is not None:
+            self._check_owner(req.namespace, req.seq_id)
         store = self._store
         if req.format == "fp16":
             keys, values = store.get(req.namespace, req.seq_id, req.start, req.end, req.layers)
@@ -597,14 +689,21 @@ class ShardServer(_RouterServer):
                                        entries=tuple(entries), packed=tuple(frames) if req.packed else None)
 
     def _on_drop(self, req: p.DropRequest) -> p.DropReply:
+        if self._routing is not None:
+            self._check_owner(req.namespace, req.seq_id)
         dropped = bool(self._store.drop(req.namespace, req.seq_id))
         return p.DropReply.trusted(request_id=req.request_id, dropped=dropped)
 
     def _on_length(self, req: p.LengthRequest) -> p.LengthReply:
+        if self._routing is not None:
+            self._check_owner(req.namespace, req.seq_id)
         return p.LengthReply.trusted(request_id=req.request_id,
                                      length=int(self._store.length(req.namespace, req.seq_id)))
 
     def _on_lengths(self, req: p.LengthsRequest) -> p.LengthsReply:
+        if self._routing is not None:
+            for seq_id in req.seq_ids:
+                self._check_owner(req.namespace, seq_id)
         found = self._store.lengths(req.namespace, req.seq_ids)
         return p.LengthsReply.trusted(request_id=req.request_id,
                                       lengths=tuple(None if n is None else int(n) for n in found))
@@ -615,9 +714,14 @@ class ShardServer(_RouterServer):
             stats[f"server_{key}"] = value
         stats["shard_id"] = self._shard_id
         stats["endpoint"] = self._endpoint
+        stats["topology_epoch"] = self.topology_epoch
+        if self._incarnation is not None:
+            stats["incarnation"] = self._incarnation
         return p.StatsReply(request_id=req.request_id, stats=stats)
 
     def _on_explain(self, req: p.ExplainRequest) -> p.ExplainReply:
+        if self._routing is not None:
+            self._check_owner(req.namespace, req.seq_id)
         info = dict(self._store.explain(req.namespace, req.seq_id, req.layer, req.token))
         level, reasons = info.pop("level"), info.pop("reasons")
         return p.ExplainReply(request_id=req.request_id, level=level, reasons=tuple(reasons), details=info)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from kvd.client.core import _check_hello, _Conn, _on_wire
+from kvd.client.core import _check_hello, _Conn, _Core, _on_wire
 from kvd.client.sync import _append_chunks, aggregate_stats
 from kvd.errors import ConfigError, InvalidArgument, ShardUnavailable
 from kvd.wire import protocol as p
@@ -101,3 +102,98 @@ def test_pages_gets_ask_for_packed_pages_only_from_a_server_of_protocol_1_1_or_l
 
 def test_aggregate_stats_of_no_shards() -> None:
     assert aggregate_stats([]) == {"shards": 0, "errors": 0}
+
+
+def test_appends_name_the_shard_incarnation_the_hello_found_and_nothing_else_does() -> None:
+    conn = _Conn("tcp://127.0.0.1:1", None, None)
+    hello = p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,
+                                    shard_id="s", page_tokens=64)
+    _check_hello(conn, hello, "s")  # a shard that did not say (older than 1.3, or not asked)
+    keys = np.zeros((1, 1, 1, 2), np.float16)
+    append = p.AppendRequest(request_id=2, namespace="m", seq_id=1, keys=keys, values=keys)
+    assert _on_wire(conn, append) is append and b"incarnation" not in bytes(p.encode_request(append)[0])
+    _check_hello(conn, p.HelloReply.for_limits(p.Limits(), request_id=3, kvd_version="x", page_format_version=1,
+                                               shard_id="s", page_tokens=64, incarnation="inc-1"), "s")
+    sent = _on_wire(conn, append)
+    assert sent.incarnation == "inc-1" and append.incarnation is None
+    assert p.decode_request(p.encode_request(sent)).incarnation == "inc-1"
+    named = p.AppendRequest(request_id=4, namespace="m", seq_id=1, keys=keys, values=keys, incarnation="inc-0")
+    assert _on_wire(conn, named) is named  # the incarnation a sequence was written on is kept
+    length = p.LengthRequest(request_id=5, namespace="m", seq_id=1)
+    assert _on_wire(conn, length) is length
+
+
+def _drive(plan: Any, respond: Any) -> Any:
+    """Run a client plan without a network: ``respond(action)`` answers each I/O action (or raises)."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            action = plan.throw(error) if error is not None else plan.send(value)
+        except StopIteration as stop:
+            return stop.value
+        value, error = None, None
+        try:
+            value = respond(action)
+        except BaseException as exc:  # noqa: BLE001 - thrown into the plan, as the clients do
+            error = exc
+
+
+class _FakeCluster:
+    """Three shards and a coordinator answering a client plan: shards refuse what they do not own."""
+
+    def __init__(self, client_ids: list[str], incarnations: dict[str, str] | None = None) -> None:
+        self.ids = ["shard-0", "shard-1", "shard-2"]
+        self.incarnations = incarnations or {sid: f"inc-{sid}" for sid in self.ids}
+        self.core = _Core("tcp://127.0.0.1:1", timeout_s=5.0, curve=None, limits=None)
+        self.core._coordinator = _Conn("tcp://coordinator:1", None, None)
+        self.core._set_topology({"epoch": 1, "shards": [self.shard(s) for s in client_ids], "level": "fp16",
+                                 "level_epoch": 1})
+        self.sent: list[tuple[str, Any]] = []
+
+    @staticmethod
+    def shard(sid: str) -> dict[str, str]:
+        return {"id": sid, "endpoint": f"tcp://{sid}:1"}
+
+    def respond(self, action: tuple[Any, ...]) -> Any:
+        kind = action[0]
+        if kind == "open":
+            return _Conn(action[1], None, None)
+        if kind in ("send", "sleep"):
+            if kind == "send":
+                self.sent.append((action[1].endpoint, action[2]))
+            return None
+        conn, req = action[1], action[2]
+        sid = conn.endpoint[len("tcp://"):-len(":1")]
+        if isinstance(req, p.TopologyRequest):
+            return p.TopologyReply(request_id=req.request_id, epoch=2, shards=tuple(map(self.shard, self.ids)),
+                                   level="fp16", level_epoch=1)
+        if isinstance(req, p.HelloRequest):
+            return p.HelloReply.for_limits(p.Limits(), request_id=req.request_id, kvd_version="x",
+                                           page_format_version=1, shard_id=sid, page_tokens=16,
+                                           incarnation=self.incarnations[sid] if req.incarnation else None)
+        if req.incarnation is not None and req.incarnation != self.incarnations[sid]:
+            return p.ErrorReply(request_id=req.request_id, code=19, error="WrongShard", message="restarted")
+        if self.ids[owner(self.ids, req.namespace, req.seq_id)] != sid:
+            return p.ErrorReply(request_id=req.request_id, code=19, error="WrongShard", message="not mine")
+        return p.AppendReply(request_id=req.request_id, length=2)
+
+
+def test_a_refused_append_goes_to_the_owner_the_refreshed_topology_names_with_that_shards_incarnation() -> None:
+    fake = _FakeCluster(["shard-0", "shard-1"])  # a stale topology: shard-2 is missing
+    seq = next(f"s{i}" for i in range(1000) if owner(fake.ids, "m", f"s{i}") == 2)
+    keys = np.zeros((1, 2, 1, 4), np.float16)
+    assert _drive(fake.core._plan_append("m", seq, keys, keys, None, None, None), fake.respond) == 2
+    appends = [(endpoint, req) for endpoint, req in fake.sent if isinstance(req, p.AppendRequest)]
+    assert [e for e, _ in appends][-1] == "tcp://shard-2:1" and len(appends) == 2
+    assert appends[0][1].incarnation != "inc-shard-2" and appends[1][1].incarnation == "inc-shard-2"
+    assert sum(isinstance(r, p.TopologyRequest) for _, r in fake.sent) == 1
+    assert fake.core.topology()["epoch"] == 2
+    # the shard restarts (a new incarnation at the same endpoint): the sequence is not continued in the middle
+    fake.incarnations["shard-2"] = "inc-shard-2-b"
+    with pytest.raises(ShardUnavailable, match="inc-shard-2-b"):
+        _drive(fake.core._plan_append("m", seq, keys, keys, None, None, None), fake.respond)
+    # ... it is forgotten, so appending again starts it over (the caller's choice); an offset append is resent
+    assert _drive(fake.core._plan_append("m", seq, keys, keys, None, None, None), fake.respond) == 2
+    fake.incarnations["shard-2"] = "inc-shard-2-c"
+    assert _drive(fake.core._plan_append("m", seq, keys, keys, 2, None, None), fake.respond) == 2

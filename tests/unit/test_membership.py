@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.cluster.membership import Membership, ShardReport
-from kvd.errors import InvalidArgument
+from kvd.errors import InvalidArgument, LayoutMismatch
 from kvd.policy import Level, Policy, PolicyConfig
 
 INTERVAL_S = 0.5
@@ -401,3 +401,88 @@ def test_shards_running_ahead_pull_the_cluster_up_to_their_level() -> None:
     for sid in c2.ids:
         c2.report(sid, 500, ahead="q8" if sid == "shard-1" else None)  # one shard filled up at fp16
     assert c2.m.level is Level.Q8
+
+
+# ------------------------------------------------------------------------- lifecycle (issue 18, items 1-2)
+
+
+def test_namespaces_are_registered_once_for_the_cluster_and_handed_to_every_shard() -> None:
+    c = Cluster(2).start()
+    version, names = c.m.namespaces()
+    assert names == {}
+    assert c.m.add_namespace("smollm2", (30, 3, 64)) is True
+    assert c.m.add_namespace("smollm2", (30, 3, 64)) is False  # the same layout again: nothing changes
+    with pytest.raises(LayoutMismatch, match="smollm2"):
+        c.m.add_namespace("smollm2", (30, 3, 128))
+    v2, names = c.m.namespaces()
+    assert names == {"smollm2": (30, 3, 64)} and v2 > version
+    # a shard that joins (or comes back empty) learns them from its registration, with the routing
+    c.incarnation["shard-1"] = "shard-1-b"
+    c.register("shard-1")
+    assert c.m.shard_sync(topology_epoch=0, namespaces_version=0)["namespaces"] == {"smollm2": [30, 3, 64]}
+    # a shard's own namespaces (registered while the coordinator was away) join the cluster's
+    c.m.register("shard-0", c.endpoint["shard-0"], incarnation="shard-0-a", now=c.now,
+                 namespaces={"llama": (2, 2, 8), "smollm2": (30, 3, 128)})
+    assert c.m.namespaces()[1] == {"smollm2": (30, 3, 64), "llama": (2, 2, 8)}  # the first layout stays
+
+
+def test_a_shard_in_sync_is_sent_nothing() -> None:
+    c = Cluster(2).start()
+    c.m.add_namespace("m", (1, 1, 4))
+    sync = c.m.shard_sync(topology_epoch=0, namespaces_version=0)
+    assert sync["routing"] == {"epoch": c.m.topology_epoch, "shards": c.ids}
+    again = c.m.shard_sync(topology_epoch=sync["routing"]["epoch"], namespaces_version=sync["namespaces_version"])
+    assert "routing" not in again and "namespaces" not in again
+
+
+def test_no_topology_is_published_before_every_expected_shard_has_registered() -> None:
+    c = Cluster(3)
+    c.register("shard-0")
+    c.register("shard-1")
+    assert c.m.published_topology(c.now) is None  # 2 of 3: clients would route shard-2's sequences elsewhere
+    assert "routing" not in c.m.shard_sync(topology_epoch=0, namespaces_version=0)  # nor do shards enforce it
+    c.register("shard-2")
+    topo = c.m.published_topology(c.now)
+    assert topo is not None and [s["id"] for s in topo["shards"]] == c.ids
+
+
+def test_a_shard_that_never_comes_leaves_the_others_published_after_a_grace() -> None:
+    c = Cluster(3)
+    c.register("shard-0")
+    c.register("shard-1")
+    c.now += c.m.ready_grace_s - 0.1
+    assert c.m.published_topology(c.now) is None
+    c.now += 0.2
+    assert [s["id"] for s in c.m.published_topology(c.now)["shards"]] == ["shard-0", "shard-1"]
+
+
+def test_a_recovered_coordinator_serves_the_persisted_topology_at_once_under_its_epoch() -> None:
+    c = Cluster(3).start()
+    c.m.add_namespace("m", (1, 1, 4))
+    before = c.m.published_topology(c.now)
+    state = c.m.state()
+    # what the coordinator persisted is enough to serve the same topology, under the same epoch, at once
+    r = Cluster(3, recovered_epoch=state["epoch"], recovered_level=state["level"],
+                recovered_topology_epoch=state["topology_epoch"], recovered_shards=state["shards"],
+                recovered_namespaces=state["namespaces"], recovered_namespaces_version=state["namespaces_version"])
+    assert r.m.published_topology(r.now) == before
+    assert r.m.namespaces() == c.m.namespaces()
+    r.start()  # the same processes register again: nothing moved, the epoch stays
+    assert r.m.published_topology(r.now) == before
+    r.incarnation["shard-2"] = "shard-2-b"  # one restarted meanwhile, even on the same port: a newer epoch
+    r.register("shard-2")
+    assert r.m.published_topology(r.now)["epoch"] > before["epoch"]
+
+
+def test_a_coordinator_that_lost_its_state_never_reuses_a_topology_epoch_the_shards_know() -> None:
+    c = Cluster(3)
+    for sid in c.ids:
+        c.m.register(sid, c.endpoint[sid], incarnation=c.incarnation[sid], now=c.now, topology_epoch=9)
+    assert c.m.published_topology(c.now)["epoch"] > 9
+    c2 = Cluster(2).start()
+    epoch = c2.m.topology_epoch
+    c2.now += INTERVAL_S
+    c2.m.report(ShardReport(shard_id="shard-0", incarnation="shard-0-a", endpoint=c2.endpoint["shard-0"],
+                            used_bytes=0, capacity_bytes=CAP, level="fp16", epoch=1, topology_epoch=epoch + 5),
+                now=c2.now)
+    assert c2.m.topology_epoch > epoch + 5

@@ -161,6 +161,19 @@ def examples() -> dict[str, Any]:
         "topology_reply_empty": p.TopologyReply(request_id=16, epoch=0, shards=(), level="fp16", level_epoch=0),
         "error_reply_no_id": p.ErrorReply(request_id=None, code=10, error="ProtocolError",
                                           message="header is not valid msgpack"),
+        # protocol 1.3: a shard's incarnation, asked for in hello and named by an append; routing refusals
+        "hello_request_incarnation": p.HelloRequest(request_id=20, incarnation=True),
+        "hello_reply_incarnation": p.HelloReply.for_limits(p.Limits(), request_id=20, kvd_version="0.1.0",
+                                                           page_format_version=1, shard_id="shard-0",
+                                                           page_tokens=64, incarnation="9f1c2ab04e"),
+        "append_request_incarnation": p.AppendRequest(request_id=21, namespace="m", seq_id=7, offset=0,
+                                                      incarnation="9f1c2ab04e",
+                                                      keys=tensor((1, 1, 1, 2), "float16"),
+                                                      values=tensor((1, 1, 1, 2), "float16", 3.0)),
+        "error_reply_wrong_shard": p.ErrorReply(
+            request_id=21, code=19, error="WrongShard",
+            message="shard 'shard-0' does not own sequence 7 of namespace 'm': shard 'shard-1' does "
+                    "(topology epoch 4); refresh the topology and resend"),
     }
 
 

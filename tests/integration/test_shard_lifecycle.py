@@ -1,0 +1,229 @@
+"""A shard server's part of the cluster lifecycle (protocol 1.3), without Ray: a ShardServer in this process on
+127.0.0.1, raw DEALER sockets and kvd's client. Incarnations in hello and append, routing refusals, the
+start-up gate and the cluster-wide register hook; and that a 1.2 client is served as before."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from kvd.client import Client
+from kvd.errors import Busy, LayoutMismatch, UnknownNamespace, UnknownSequence, WrongShard
+from kvd.store.core import Store
+from kvd.wire import protocol as p
+from kvd.wire.routing import owner
+from kvd.wire.server import ShardServer
+
+pytestmark = pytest.mark.integration
+
+NS = "m"
+IDS = ["shard-0", "shard-1", "shard-2"]
+DATA = np.ones((1, 2, 1, 4), np.float16)
+
+
+def mine(shard_id: str, prefix: str = "s") -> str:
+    return next(f"{prefix}{i}" for i in itertools.count() if IDS[owner(IDS, NS, f"{prefix}{i}")] == shard_id)
+
+
+@pytest.fixture
+def shard() -> Iterator[tuple[ShardServer, list[Any]]]:
+    registered: list[Any] = []
+
+    def hook(namespace: str, layout: tuple[int, int, int]) -> None:
+        if namespace == "taken":
+            raise LayoutMismatch("namespace 'taken' is registered in this cluster as (layers=9, ...)")
+        registered.append((namespace, layout))
+
+    server = ShardServer(Store(8 << 20, page_tokens=16), shard_id="shard-0", incarnation="inc-a",
+                         on_register=hook, starting=True)
+    server.start()
+    yield server, registered
+    server.stop()
+
+
+class Raw:
+    """A DEALER speaking the protocol by hand, as a client of protocol 1.2 would."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def ask(self, req: Any) -> tuple[dict[str, Any], Any]:
+        self.sock.send_multipart(p.encode_request(req))
+        assert self.sock.poll(5000), "no reply"
+        frames = self.sock.recv_multipart()
+        return msgpack.unpackb(frames[0]), p.decode_reply(frames)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_incarnation_is_told_only_when_asked_and_a_1_2_client_is_served_as_before(shard: Any) -> None:
+    server, _ = shard
+    raw = Raw(server.endpoint)
+    try:
+        header, reply = raw.ask(p.HelloRequest(request_id=1))
+        assert "incarnation" not in header and reply.protocol_minor == 3  # a 1.2 decoder reads this reply
+        header, reply = raw.ask(p.HelloRequest(request_id=2, incarnation=True))
+        assert header["incarnation"] == reply.incarnation == "inc-a"
+        # starting: data operations are Busy (not executed) until the cluster's namespaces are known
+        _, reply = raw.ask(p.LengthRequest(request_id=3, namespace=NS, seq_id="x"))
+        assert isinstance(reply, p.ErrorReply) and reply.code == Busy.code and "starting" in reply.message
+        server.open_for_data()
+        _, reply = raw.ask(p.LengthRequest(request_id=4, namespace=NS, seq_id="x"))
+        assert reply.code == UnknownNamespace.code
+        _, reply = raw.ask(p.RegisterRequest(request_id=5, namespace=NS, num_layers=1, num_kv_heads=1,
+                                             head_dim=4))
+        assert isinstance(reply, p.RegisterReply)
+        # an append without incarnation (a 1.2 client) is served as before
+        _, reply = raw.ask(p.AppendRequest(request_id=6, namespace=NS, seq_id="x", keys=DATA, values=DATA))
+        assert isinstance(reply, p.AppendReply) and reply.length == 2
+    finally:
+        raw.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_append_naming_another_incarnation_is_refused_and_nothing_is_written(shard: Any) -> None:
+    server, _ = shard
+    server.open_for_data()
+    with Client(server.endpoint, timeout_s=5.0) as client:
+        client.register(NS, num_layers=1, num_kv_heads=1, head_dim=4)
+        assert client.append(NS, "a", DATA, DATA) == 2  # the client names "inc-a", found by its hello
+        raw = Raw(server.endpoint)
+        try:
+            _, reply = raw.ask(p.AppendRequest(request_id=1, namespace=NS, seq_id="a", keys=DATA, values=DATA,
+                                               incarnation="inc-before"))
+            assert reply.code == WrongShard.code and "inc-a" in reply.message and "inc-before" in reply.message
+        finally:
+            raw.close()
+        assert client.length(NS, "a") == 2
+
+
+@pytest.mark.timeout(60)
+def test_routing_is_enforced_once_handed_and_names_the_owner_and_the_epoch(shard: Any) -> None:
+    server, _ = shard
+    server.open_for_data()
+    with Client(server.endpoint, timeout_s=5.0) as client:
+        client.register(NS, num_layers=1, num_kv_heads=1, head_dim=4)
+        theirs, ours = mine("shard-2"), mine("shard-0")
+        assert client.append(NS, theirs, DATA, DATA) == 2  # no routing handed yet: a shard alone serves all
+        assert server.set_routing(7, IDS) and not server.set_routing(6, IDS)  # an older epoch is ignored
+        for call in (lambda: client.append(NS, theirs, DATA, DATA), lambda: client.get(NS, theirs),
+                     lambda: client.length(NS, theirs), lambda: client.drop(NS, theirs),
+                     lambda: client.lengths(NS, [ours, theirs]),
+                     lambda: client.explain(NS, theirs, 0, 0)):
+            with pytest.raises(WrongShard, match=r"'shard-2' does \(topology epoch 7\)"):
+                call()
+        assert server.set_routing(8, ["shard-0", "shard-2"])
+        assert client.append(NS, ours, DATA, DATA) == 2
+        with pytest.raises(UnknownSequence):
+            client.length(NS, mine("shard-0", "new"))
+        assert client.stats()["topology_epoch"] == 8
+
+
+@pytest.mark.timeout(60)
+def test_register_goes_through_the_cluster_first_and_a_refusal_registers_nothing(shard: Any) -> None:
+    server, registered = shard
+    server.open_for_data()
+    with Client(server.endpoint, timeout_s=5.0) as client:
+        client.register(NS, num_layers=1, num_kv_heads=1, head_dim=4)
+        assert registered == [(NS, (1, 1, 4))]
+        with pytest.raises(LayoutMismatch, match="in this cluster"):
+            client.register("taken", num_layers=1, num_kv_heads=1, head_dim=4)
+        with pytest.raises(UnknownNamespace):
+            client.append("taken", "a", DATA, DATA)
+
+
+# ------------------------------------------------------------------------------ the coordinator, without Ray
+
+
+class MemoryKV:
+    """The coordinator's persisted state in memory (what RayKV keeps in Ray's internal KV), as JSON."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def load(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.data))
+
+    def save(self, data: dict[str, Any]) -> bool:
+        self.data = json.loads(json.dumps(data))
+        return True
+
+    def delete(self) -> None:
+        self.data = {}
+
+
+def _report(sid: str, inc: str, endpoint: str, topology_epoch: int) -> dict[str, Any]:
+    return {"shard_id": sid, "incarnation": inc, "endpoint": endpoint, "used_bytes": 0,
+            "capacity_bytes": 1 << 20, "level": "fp16", "epoch": 1, "topology_epoch": topology_epoch}
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_publishes_only_saved_complete_topologies_and_serves_them_again_after_a_restart() -> None:
+    from kvd.cluster.coordinator import Coordinator
+    from kvd.config import load_config
+
+    config = load_config(env={}, overrides={"cluster.shards": 2, "cluster.port": 0,
+                                            "cluster.report_interval_s": 0.1})
+    kv = MemoryKV()
+    first = Coordinator(config, host="127.0.0.1", kv=kv)
+    try:
+        with pytest.raises(Busy, match="shard-1"):
+            first._client_topology()
+        first.register("shard-0", "tcp://127.0.0.1:1", "a0")
+        with pytest.raises(Busy):
+            first._client_topology()  # one of two: clients would route shard-1's sequences to shard-0
+        reply = first.register("shard-1", "tcp://127.0.0.1:2", "a1")
+        served = first._client_topology()
+        assert [s["id"] for s in served["shards"]] == ["shard-0", "shard-1"]
+        assert reply["routing"] == {"epoch": served["epoch"], "shards": ["shard-0", "shard-1"]}
+        assert kv.data["topology_epoch"] == served["epoch"]  # saved before it was served
+        assert first.add_namespace("m", [2, 2, 8]) == {"ok": True}
+        refused = first.add_namespace("m", [2, 2, 16])
+        assert not refused["ok"] and refused["code"] == LayoutMismatch.code
+    finally:
+        first.stop()
+    second = Coordinator(config, host="127.0.0.1", kv=kv)  # a restart that kept its state
+    try:
+        again = second._client_topology()
+        assert (again["epoch"], again["shards"]) == (served["epoch"], served["shards"])
+        assert second.namespaces() == {"m": [2, 2, 8]}
+        assert second.report(_report("shard-0", "a0", "tcp://127.0.0.1:1", served["epoch"]))["known"]
+    finally:
+        second.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_that_lost_its_state_goes_past_the_shards_epochs_and_keeps_broadcasting() -> None:
+    from kvd.cluster.coordinator import Coordinator
+    from kvd.config import load_config
+
+    config = load_config(env={}, overrides={"cluster.shards": 2, "cluster.port": 0,
+                                            "cluster.report_interval_s": 0.1})
+    coordinator = Coordinator(config, host="127.0.0.1", kv=MemoryKV())
+    try:
+        coordinator.register("shard-0", "tcp://127.0.0.1:1", "a0", topology_epoch=5, namespaces={"m": [1, 1, 4]})
+        coordinator.register("shard-1", "tcp://127.0.0.1:2", "a1", topology_epoch=5)
+        epoch = coordinator._client_topology()["epoch"]
+        assert epoch > 5 and coordinator.namespaces() == {"m": [1, 1, 4]}
+        # a shard that was handed a newer epoch by a lost predecessor raises the floor again ...
+        reply = coordinator.report(_report("shard-1", "a1", "tcp://127.0.0.1:2", epoch + 3))
+        assert reply["routing"]["epoch"] > epoch + 3
+        assert coordinator._client_topology()["epoch"] == reply["routing"]["epoch"]
+        # ... and the level broadcaster is still there for the next order (give a wrongly stopped one time to go)
+        coordinator._threads[0].join(timeout=0.5)
+        assert all(t.is_alive() for t in coordinator._threads)
+    finally:
+        coordinator.stop()
