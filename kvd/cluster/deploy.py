@@ -124,14 +124,7 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
         )
         .remote(config, host=host)
     )
-    try:
-        endpoint = ray.get(coordinator.endpoint.remote(), timeout=ready_timeout_s)
-    except ray.exceptions.RayActorError as exc:
-        _kill(coordinator)
-        raise ConfigError(f"the coordinator did not start: {_root_cause(exc)}") from None
-    except Exception:
-        _kill(coordinator)
-        raise
+    endpoint: str = _started(coordinator, coordinator.endpoint.remote(), ready_timeout_s, "the coordinator")
     deployment = Deployment(namespace=ns, endpoint=endpoint, coordinator=coordinator, timeout_s=timeout_s)
     shard_cls = actor_class("shard")
     for sid in shard_ids(cluster.shards):
@@ -303,7 +296,6 @@ class MetricsExporter:
 def deploy_metrics(namespace: str, port: int, *, host: str, timeout_s: float = 30.0) -> str:
     """Start the :class:`MetricsExporter` of the kvd in ``namespace`` on the Ray head (detached, restarted by Ray
     if it dies); returns the URL to scrape. Raises ConfigError if it cannot serve (port taken)."""
-    import ray
 
     stale = _get_actor(metrics_name(), namespace)
     if stale is not None:
@@ -314,15 +306,23 @@ def deploy_metrics(namespace: str, port: int, *, host: str, timeout_s: float = 3
                  resources={"node:__internal_head__": 0.001})
         .remote(namespace, port, host)
     )
-    try:
-        url: str = ray.get(exporter.url.remote(), timeout=timeout_s)
-    except ray.exceptions.RayActorError as exc:
-        _kill(exporter)
-        raise ConfigError(f"the metrics exporter did not start on the Ray head: {_root_cause(exc)}") from None
-    except Exception:
-        _kill(exporter)
-        raise
+    url: str = _started(exporter, exporter.url.remote(), timeout_s, "the metrics exporter", " on the Ray head")
     return url
+
+
+def _started(actor: Any, ready: Any, timeout_s: float, what: str, where: str = "") -> Any:
+    """The value of ``ready`` (an actor's first call), once the actor serves; the actor is killed on any
+    failure, and one that died starting is a ConfigError naming its cause."""
+    import ray
+
+    try:
+        return ray.get(ready, timeout=timeout_s)
+    except ray.exceptions.RayActorError as exc:
+        _kill(actor)
+        raise ConfigError(f"{what} did not start{where}: {_root_cause(exc)}") from None
+    except Exception:
+        _kill(actor)
+        raise
 
 
 def wait_until(predicate: Callable[[], bool], *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:
