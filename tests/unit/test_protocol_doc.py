@@ -38,6 +38,10 @@ def requests() -> list[p.Request]:
         p.StatsRequest(request_id=9),
         p.ExplainRequest(request_id=10, namespace=NS, seq_id=SEQ, layer=1, token=0),
         p.TopologyRequest(request_id=11),
+        p.LengthsRequest(request_id=12, namespace=NS, seq_ids=(SEQ, "req-43")),
+        # protocol 1.3: a block stored at its prompt position, on the shard incarnation it was first written to
+        p.AppendRequest(request_id=13, namespace=NS, seq_id="block-1", keys=KEYS, values=KEYS, offset=0,
+                        position=128, incarnation="7f3a9c2e"),
     ]
 
 
@@ -56,7 +60,9 @@ def render() -> str:
         header = bytes(frames[0])
         extra = f", then {len(frames) - 1} frames of {', '.join(str(len(f)) for f in frames[1:])} bytes" \
             if len(frames) > 1 else ""
-        out += [f"`{req.OP}`{' (pages, packed)' if getattr(req, 'packed', False) else ''}: {len(header)} bytes"
+        label = " (pages, packed)" if getattr(req, "packed", False) else ""
+        label = " (1.3: position, incarnation)" if getattr(req, "position", None) is not None else label
+        out += [f"`{req.OP}`{label}: {len(header)} bytes"
                 f"{extra}", "", "```", show(header), *hexdump(header), "```", ""]
     trailing = msgpack.packb({"v": 1, "id": 12, "op": "ping"}) + b"\x00"
     reply = bytes(p.encode_reply(p.parse_request([trailing]))[0])  # type: ignore[arg-type]
