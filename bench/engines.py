@@ -394,7 +394,8 @@ def main() -> int:
     t.add_argument("--tokens", type=int, default=1906)
     t.add_argument("--rounds", type=int, default=5)
     t.add_argument("--levels", default="fp16,q8,q4")
-    t.add_argument("--format", default="pages", choices=("pages", "fp16"))
+    t.add_argument("--format", default="fp16", choices=("pages", "fp16"),
+                   help="the connector's kvd_format (its default: fp16)")
     t.add_argument("--mooncake", action="store_true",
                    help="also Mooncake Store through vLLM's MooncakeStoreConnector (mooncake_master on 127.0.0.1)")
     t.add_argument("--mooncake-mode", default="standalone-store", choices=("standalone-store", "embedded"))
