@@ -341,7 +341,10 @@ class Store(Compaction, Eviction):
             need = sum(plan.need for plan in plans)
             logged = [r for r in range(wd, out2) if self._loggable(ns, r, sink_rows)]
             need += sp.ROW_META_BYTES * len(logged)
-            need += len(exits) * len(ns.quant_layers) * ns.rec_bytes[self._fmt] if self._fmt != RAW else 0
+            # a row leaving the window is re-encoded: a new record, and the old one may go to the pool, which
+            # charges PAGE_META_BYTES on top of its bytes (the page's own metadata moves with the new record)
+            need += len(exits) * len(ns.quant_layers) * (ns.rec_bytes[self._fmt] + sp.PAGE_META_BYTES) \
+                if self._fmt != RAW else 0
             need += ns.tail_bytes + sp.TAIL_META_BYTES if new_tail else 0
             need += ns.seq_meta if seq is None else 0
             return plans, need
