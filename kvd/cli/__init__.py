@@ -1,5 +1,6 @@
-"""The ``kvd`` command: ``main`` (up, down, status, config, bench, keygen), ``status`` (the status table and
-metrics), ``loadgen`` (the load generator behind ``kvd bench``)."""
+"""The ``kvd`` command: ``main`` (the parser; status, config, bench, keygen), ``up`` (up and down), ``ping``,
+``common`` (what the commands share), ``status`` (the status table and metrics), ``loadgen`` (the load
+generator behind ``kvd bench``)."""
 
 from kvd.cli.main import main
 
