@@ -53,8 +53,24 @@ two fp16 pages per (sequence, layer), which caps q8 at 1.85x for 4,096-token seq
 With the defaults, a 4,096-token sequence of the sample layout takes 1.905x fewer bytes at q8 than at fp16 and
 3.07x fewer at q4 (7B-class layout: 1.91x, 3.09x), page headers and metadata included.
 
-Thread safety: every public method holds one lock, so a reporting thread may call :meth:`Store.stats` at any
-time. Pure core: no Ray, no ZeroMQ.
+Threads. Every public method holds one lock, so a reporting thread may call :meth:`Store.stats` at any time,
+and the store may be served by more than one thread (kvd.wire.server runs large requests on a lane of their
+own). The heavy part of a large operation runs *without* the lock, so that a decode step's small append is
+not held for the whole encoding of a 64 MiB prefill:
+
+* An append of ``UNLOCKED_MIN_BYTES`` or more (keys and values, float16) that fits without evicting plans,
+  takes its buffers and *reserves* its peak need (``reserved_bytes``, counted in ``used_bytes``) under the
+  lock, encodes its pages without it, and commits under it. Meanwhile its sequence is *pinned*: another append
+  to it or a drop of it waits, and an append that must make room (compress or evict) waits for every append in
+  flight before it plans, so compression and eviction always run alone, as before. An append is still all or
+  nothing (a NaN found while encoding without the lock gives everything back) and appends to one sequence
+  still apply in the order they took the lock.
+* A read of ``UNLOCKED_MIN_BYTES`` or more takes a snapshot under the lock (the page tables and a copy of the
+  hot tail's filled tokens it needs) and decodes without it. Committed records are never written again; while
+  such a read runs, records that leave a page table are freed rather than pooled, so none is reused under it.
+  The read returns the sequence as it was when it took the lock.
+
+Pure core: no Ray, no ZeroMQ.
 """
 
 from __future__ import annotations
@@ -99,6 +115,12 @@ DEFAULT_SINK_TOKENS = 4
 DEFAULT_WINDOW_TOKENS = 0
 EIGHT_BIT_FORMATS = ("q8", "fp8_e4m3", "fp8_e5m2")
 MAX_EPOCH = 2**63 - 1
+# Appends and reads of at least this many bytes (keys + values, float16) encode or decode without the lock.
+UNLOCKED_MIN_BYTES = 1 << 20
+
+
+class _InFlight(Exception):
+    """(Internal) an append must make room while other appends are in flight: wait for them, plan again."""
 
 
 class Store(Compaction, Eviction):
@@ -144,6 +166,9 @@ class Store(Compaction, Eviction):
             raise ConfigError(f"max_level: {exc}") from None
         self._max_rung = self.max_level.rung
         self._lock = threading.RLock()
+        self._unpinned = threading.Condition(self._lock)  # notified when an append in flight commits
+        self._pinned: set[tuple[str, SeqId]] = set()  # sequences an append is building without the lock
+        self._readers = 0  # reads decoding without the lock: removed records are not pooled meanwhile
         self._ns: dict[str, Namespace] = {}
         self._seqs: OrderedDict[tuple[str, SeqId], Seq] = OrderedDict()  # least recently used first
         self._ledger = sp.Ledger(min(sp.POOL_MAX_BYTES, self.capacity_bytes // sp.POOL_CAPACITY_DIVISOR))
@@ -286,15 +311,23 @@ class Store(Compaction, Eviction):
             key = (ns.name, seq_id_arg(seq_id))
             pos = None if position is None else int_arg("position", position, 0, None)
             k16, v16 = store_seq.check_kv(ns, keys, values)
-            seq = self._seqs.get(key)
-            if seq is not None and pos is not None and pos != seq.position:
-                raise InvalidArgument(f"sequence {key[1]!r} starts at prompt position {seq.position}, not {pos}; "
-                                      "nothing was written")
-            if k16.shape[1] == 0:
-                if seq is None:
-                    raise InvalidArgument(f"a new sequence needs at least one token; {key[1]!r} got 0")
-            else:
-                seq = self._append(ns, key, seq, k16, v16, pos or 0)
+            while True:
+                while key in self._pinned:  # another thread's append to this sequence is in flight
+                    self._unpinned.wait()
+                seq = self._seqs.get(key)
+                if seq is not None and pos is not None and pos != seq.position:
+                    raise InvalidArgument(f"sequence {key[1]!r} starts at prompt position {seq.position}, not "
+                                          f"{pos}; nothing was written")
+                if k16.shape[1] == 0:
+                    if seq is None:
+                        raise InvalidArgument(f"a new sequence needs at least one token; {key[1]!r} got 0")
+                    break
+                try:
+                    seq = self._append(ns, key, seq, k16, v16, pos or 0)
+                    break
+                except _InFlight:  # it must make room: that waits for the appends in flight, then plans again
+                    while self._pinned:
+                        self._unpinned.wait()
             self._seqs.move_to_end(key)
             self._appends += 1
             return seq.length
@@ -354,6 +387,8 @@ class Store(Compaction, Eviction):
             sp.refuse_nonfinite(v16, "values", n)
 
         plans, need = plan()
+        if self._pinned and self._ledger.used + need > self.capacity_bytes:
+            raise _InFlight  # nothing is touched yet; compressing and evicting run with no append in flight
         if self._ledger.used + need > self.capacity_bytes and self._can_squeeze():
             validate()  # bad data changes nothing, not even the level
             # compress before forgetting (kvd.store.compact). A level the squeeze raised can make this append
@@ -391,8 +426,21 @@ class Store(Compaction, Eviction):
                 recs = sp.take_row(self._ledger.pool, plan.layers, taken)
                 jobs.append((recs, plan.layers, plan.batch, src_k, src_v, a, r))
                 sealed.append((recs, plan))
-            sp.seal_rows(jobs, p, parallel=len(jobs) * ns.tail_bytes >= page_batch.PARALLEL_MIN_BYTES, first=n)
             exit_flags = sp.FLAG_WINDOW | self._ahead_flag()
+            parallel = len(jobs) * ns.tail_bytes >= page_batch.PARALLEL_MIN_BYTES
+            if evict or 2 * k16.nbytes < UNLOCKED_MIN_BYTES:
+                sp.seal_rows(jobs, p, parallel=parallel, first=n)
+            else:  # a large append that fits encodes without the lock (the module docstring, "Threads")
+                self._pinned.add(key)
+                self._ledger.reserved += need
+                self._lock.release()
+                try:
+                    sp.seal_rows(jobs, p, parallel=parallel, first=n)
+                finally:
+                    self._lock.acquire()
+                    self._ledger.reserved -= need
+                    self._pinned.discard(key)
+                    self._unpinned.notify_all()  # waiters run once this append has committed (they need the lock)
             for r in exits if recode else ():
                 assert seq is not None
                 for i in ns.quant_layers:
@@ -419,7 +467,7 @@ class Store(Compaction, Eviction):
         for i, r, rec in swaps:
             old = seq.pages[i][r]
             seq.pages[i][r] = rec
-            seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=True)
+            seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=not self._readers)
             self._window_encodes += 1
         for recs, plan in sealed:
             for page_list, rec in zip(seq.pages, recs, strict=True):
@@ -507,8 +555,12 @@ class Store(Compaction, Eviction):
             ns = seq.ns
             keys = buffers.empty_f16((len(lay), e - s, ns.heads, ns.head_dim))
             values = buffers.empty_f16(keys.shape)
-            store_seq.read_into(seq, s, e, lay, self.page_tokens, keys, values)
-            return keys, values
+            if 2 * keys.nbytes < UNLOCKED_MIN_BYTES:
+                store_seq.read_into(seq, s, e, lay, self.page_tokens, keys, values)
+                return keys, values
+            view = self._view(seq, e)
+        self._unlocked_read(store_seq.read_into, view, s, e, lay, self.page_tokens, keys, values)
+        return keys, values
 
     def get_into(
         self,
@@ -536,8 +588,12 @@ class Store(Compaction, Eviction):
                 raise InvalidArgument("keys_out and values_out overlap")
             self._seqs.move_to_end(seq.key)
             self._gets += 1
-            store_seq.read_into(seq, s, e, lay, self.page_tokens, k, v)
-            return e - s
+            if 4 * len(lay) * (e - s) * ns.heads * ns.head_dim < UNLOCKED_MIN_BYTES:
+                store_seq.read_into(seq, s, e, lay, self.page_tokens, k, v)
+                return e - s
+            view = self._view(seq, e)
+        self._unlocked_read(store_seq.read_into, view, s, e, lay, self.page_tokens, k, v)
+        return e - s
 
     def get_pages(
         self,
@@ -573,7 +629,25 @@ class Store(Compaction, Eviction):
             s, e, lay = store_seq.check_range(seq, start, end, layers)
             self._seqs.move_to_end(seq.key)
             self._gets += 1
-            return store_seq.page_entries(seq, s, e, lay, self.page_tokens, frame_bytes)
+            ns = seq.ns
+            if 4 * len(lay) * (e - s) * ns.heads * ns.head_dim < UNLOCKED_MIN_BYTES:
+                return store_seq.page_entries(seq, s, e, lay, self.page_tokens, frame_bytes)
+            view = self._view(seq, e)
+        return self._unlocked_read(store_seq.page_entries, view, s, e, lay, self.page_tokens, frame_bytes)
+
+    def _view(self, seq: Seq, end: int) -> store_seq.SeqView:
+        """(Under the lock) a read's snapshot of ``seq``; counts the read until :meth:`_unlocked_read` ends."""
+        view = seq.view(end)
+        self._readers += 1
+        return view
+
+    def _unlocked_read(self, read: Any, view: store_seq.SeqView, *args: Any) -> Any:
+        """Run ``read(view, *args)`` without the lock (the caller has released it), then end the read."""
+        try:
+            return read(view, *args)
+        finally:
+            with self._lock:
+                self._readers -= 1
 
     def length(self, namespace: str, seq_id: SeqId) -> int:
         """Tokens stored for the sequence. Raises UnknownNamespace / UnknownSequence."""
@@ -597,9 +671,11 @@ class Store(Compaction, Eviction):
         with self._lock:
             ns = self._namespace(namespace)
             key = (ns.name, seq_id_arg(seq_id))
+            while key in self._pinned:  # an append to it is in flight: it goes first
+                self._unpinned.wait()
             if key not in self._seqs:
                 return False
-            self._remove(key, pool=True)
+            self._remove(key, pool=not self._readers)
             return True
 
     # ------------------------------------------------------------------------------------------ introspection
@@ -615,7 +691,8 @@ class Store(Compaction, Eviction):
 
     def stats(self) -> dict[str, Any]:
         """A consistent snapshot. Bytes: ``used_bytes`` (= ``page_bytes`` + ``tail_bytes`` + ``pool_bytes`` +
-        ``metadata_bytes``), ``capacity_bytes``, ``pressure`` (used / capacity), ``compaction_backlog_bytes``,
+        ``metadata_bytes`` + ``reserved_bytes``, the last the peak need of large appends encoding at that
+        moment: the module docstring, "Threads"), ``capacity_bytes``, ``pressure`` (used / capacity), ``compaction_backlog_bytes``,
         ``pages_by_level`` / ``bytes_by_level`` (sealed pages by format tag); the level in force (tag), its page
         ``format`` and ``epoch``; ``ordered_level`` (the newest order's level), ``ahead`` (the level this store
         runs at under its own pressure, or None) with ``ahead_reason`` and ``ahead_count`` (times it ran ahead),
@@ -658,6 +735,7 @@ class Store(Compaction, Eviction):
                 "page_bytes": led.record_bytes,
                 "pool_bytes": led.pool.bytes,
                 "metadata_bytes": led.meta_bytes,
+                "reserved_bytes": led.reserved,
                 "appends": self._appends,
                 "gets": self._gets,
                 "page_tokens": self.page_tokens,

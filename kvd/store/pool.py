@@ -312,25 +312,28 @@ class Taken:
 
 class Ledger:
     """Every byte a store accounts for, and its pool. ``used = record_bytes + tail_bytes + pool.bytes +
-    meta_bytes``. A buffer is *taken* (from the pool or newly allocated) while an operation builds, *adopted*
-    (counted live) when it commits or given back when it fails; :meth:`add_page` / :meth:`add_tail` then count
-    it in a page table, :meth:`remove_page` / :meth:`remove_tail` take it out and free or pool it. The add and
-    remove methods return the bytes the owning sequence accounts for, so the store can keep ``Seq.nbytes``."""
+    meta_bytes + reserved``. A buffer is *taken* (from the pool or newly allocated) while an operation builds,
+    *adopted* (counted live) when it commits or given back when it fails; :meth:`add_page` / :meth:`add_tail`
+    then count it in a page table, :meth:`remove_page` / :meth:`remove_tail` take it out and free or pool it. The
+    add and remove methods return the bytes the owning sequence accounts for, so the store can keep
+    ``Seq.nbytes``. ``reserved`` holds the peak need of appends building while the store's lock is released."""
 
-    __slots__ = ("pool", "record_bytes", "tail_bytes", "meta_bytes", "tails", "pages_by_fmt", "bytes_by_fmt")
+    __slots__ = ("pool", "record_bytes", "tail_bytes", "meta_bytes", "reserved", "tails", "pages_by_fmt",
+                 "bytes_by_fmt")
 
     def __init__(self, pool_max_bytes: int) -> None:
         self.pool = BufferPool(pool_max_bytes)
         self.record_bytes = 0
         self.tail_bytes = 0
         self.meta_bytes = 0
+        self.reserved = 0  # the peak need of appends building without the store's lock (Store.append)
         self.tails = 0
         self.pages_by_fmt = dict.fromkeys(pages.LEVELS, 0)
         self.bytes_by_fmt = dict.fromkeys(pages.LEVELS, 0)
 
     @property
     def used(self) -> int:
-        return self.record_bytes + self.tail_bytes + self.pool.bytes + self.meta_bytes
+        return self.record_bytes + self.tail_bytes + self.pool.bytes + self.meta_bytes + self.reserved
 
     def take_record(self, size: int, taken: Taken) -> bytearray:
         rec, from_pool = self.pool.take_record(size)

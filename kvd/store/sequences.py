@@ -211,6 +211,29 @@ class Seq:
         mv = memoryview(rec)
         return mv[:kb], mv[kb : kb + vb]
 
+    def view(self, end: int) -> SeqView:
+        """What a read of tokens before ``end`` needs, taken under the store's lock so that the read can run
+        without it: the page tables (lists of the records, which are never written once committed) and a copy
+        of the hot tail's filled tokens if the read reaches them (appends write the tail in place)."""
+        return SeqView(self, end)
+
+
+class SeqView:
+    """A read's snapshot of a :class:`Seq` (:meth:`Seq.view`): the attributes reads use, frozen. Its records
+    must not be reused while the read runs: the store does not pool removed records while a view is out."""
+
+    __slots__ = ("ns", "length", "pages", "tail")
+
+    def __init__(self, seq: Seq, end: int) -> None:
+        self.ns = seq.ns
+        self.length = seq.length
+        self.pages = [list(recs) for recs in seq.pages]
+        sealed_end = len(seq.pages[0]) * seq.ns.tail_shape[2]
+        fill = seq.length - sealed_end
+        self.tail = seq.tail[:, :, :fill].copy() if seq.tail is not None and end > sealed_end else None
+
+    record_pages = Seq.record_pages
+
 
 def check_range(seq: Seq, start: object, end: object, layers: object) -> tuple[int, int, list[int]]:
     """``(start, end, layers)`` checked against the sequence; InvalidArgument naming the bad value."""
