@@ -157,10 +157,13 @@ DECODE_MAX_TOKENS = 256  # a decode sequence is dropped and started again at thi
 
 
 def _prefill_worker(endpoint: str, ns: str, index: int, chunk_tokens: int, go: Any, stop: Any, done: Any,
-                    failed: Any) -> None:
+                    failed: Any, nice: int) -> None:
     """A client process: while ``go`` is set, append a ``chunk_tokens`` prefill chunk, read it back, drop it
-    (errors are counted in ``failed`` and the loop goes on)."""
+    (errors are counted in ``failed`` and the loop goes on). ``nice``: added to its priority (every thread)."""
     from kvd.client import Client
+
+    if nice:
+        os.nice(nice)
 
     layout = LAYOUTS["7b"]
     shape = (layout.num_layers, chunk_tokens, layout.num_kv_heads, layout.head_dim)
@@ -197,7 +200,8 @@ def _decode_latency(args: argparse.Namespace) -> None:
     ctx = mp.get_context("spawn")
     go, stop, done, failed = ctx.Event(), ctx.Event(), ctx.Value("l", 0), ctx.Value("l", 0)
     workers = [ctx.Process(target=_prefill_worker, args=(deployment.endpoint, ns, i, args.prefill, go, stop, done,
-                                                         failed), daemon=True) for i in range(args.clients)]
+                                                         failed, args.prefill_nice), daemon=True)
+               for i in range(args.clients)]
     rows: list[tuple[int, str, dict[str, float]]] = []
     try:
         with Client(deployment.endpoint, timeout_s=60.0) as client:
@@ -214,7 +218,7 @@ def _decode_latency(args: argparse.Namespace) -> None:
             print(f"\n## Decode-step latency under mixed load: {args.shards} shards, 7B-class layout, one token "
                   f"all layers ({step.nbytes * 2 >> 10} KiB) per append; loaded = {args.clients} other clients "
                   f"each appending {args.prefill}-token chunks ({step.nbytes * 2 * args.prefill >> 20} MiB), "
-                  "reading them back and dropping them\n")
+                  f"reading them back and dropping them (prefill clients at nice {args.prefill_nice})\n")
             print("| round | load | decode appends | p50 ms | p99 ms | p999 ms | max ms | prefill chunks/s |")
             print("|---|---|---|---|---|---|---|---|")
             for rnd in range(2 * args.decode_rounds):
@@ -293,6 +297,9 @@ def main() -> None:
                         help="only part 3: decode-step latency while other clients prefill and read")
     parser.add_argument("--decode-seconds", type=float, default=None, help="length of one round of part 3")
     parser.add_argument("--decode-rounds", type=int, default=None, help="rounds of each kind (quiet, loaded)")
+    parser.add_argument("--prefill-nice", type=int, default=0,
+                        help="run part 3's prefill clients at this nice value: on one machine their CPU competes "
+                             "with the shards' and the decode client's, as it would not from other machines")
     args = parser.parse_args()
     args.seconds = args.seconds or (3.0 if args.quick else 15.0)
     args.repeats = args.repeats or (1 if args.quick else 5)

@@ -649,6 +649,20 @@ class Store(Compaction, Eviction):
             with self._lock:
                 self._readers -= 1
 
+    def read_bytes(
+        self, namespace: str, seq_id: SeqId, start: int = 0, end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> int:  # fmt: skip
+        """The bytes of float16 keys and values a read of this range returns; 0 if the read would raise (it
+        then raises when made). Cheap: no page is touched, and it is not a use (LRU order does not change)."""
+        with self._lock:
+            try:
+                seq = self._sequence(namespace, seq_id)
+                s, e, lay = store_seq.check_range(seq, start, end, layers)
+            except (UnknownNamespace, UnknownSequence, InvalidArgument):
+                return 0
+            return 4 * len(lay) * (e - s) * seq.ns.heads * seq.ns.head_dim
+
     def length(self, namespace: str, seq_id: SeqId) -> int:
         """Tokens stored for the sequence. Raises UnknownNamespace / UnknownSequence."""
         with self._lock:

@@ -3,11 +3,19 @@ coordinator's topology endpoint). Wire format: docs/protocol.md; codec: :mod:`kv
 
 Theory of operation
 -------------------
-*One thread per server* owns its ROUTER socket and, for a shard, every data operation on the store: it
-receives, admits, executes and replies. A hand-off between a receiving thread and a store thread costs about
-as much as a whole loopback round trip (two GIL hand-overs, ~40 us measured), so the request that arrives at
-an idle server runs at once on the thread that received it. The store's kernels release the GIL, so other
-threads of the process (the Ray actor, metrics readers) run while a page is encoded.
+*One thread per server* owns its ROUTER socket: it receives, admits, executes and replies. A hand-off between
+a receiving thread and a store thread costs about as much as a whole loopback round trip (two GIL hand-overs,
+~40 us measured), so a small request that arrives at an idle server runs at once on the thread that received
+it. The store's kernels release the GIL, so other threads of the process (the Ray actor, metrics readers) run
+while a page is encoded.
+
+*Two lanes (a shard).* A request that moves ``BULK_MIN_BYTES`` or more (an append of that size, a get whose
+range decodes to that size) or may wait on another process (``register``, which asks the coordinator) runs on
+the shard's *bulk lane*, a second thread, and its reply comes back to the loop to be sent. Small requests keep
+running on the loop meanwhile, and the store encodes and decodes large requests without its lock (kvd.store,
+"Threads"), so a decode step's append is never queued behind a 64 MiB prefill. Requests of one connection
+still start in the order received: while one of its requests is on the bulk lane, the connection's next
+requests follow it there. The bulk lane also compacts the store when it has nothing else to do.
 
 *Admission (the busy policy).* Each turn of the loop first drains every message ZeroMQ has ready into a bounded
 FIFO (``max_queued_requests`` requests, ``max_queued_bytes`` bytes; one request is always admitted into an empty
@@ -36,8 +44,9 @@ Heartbeats (``ZMQ_HEARTBEAT_*``) close connections to dead peers, which frees th
 the error reply names the problem. A frame over ``MAXMSGSIZE`` (the protocol's ``max_frame_bytes``) makes
 ZeroMQ cut that peer; everyone else is unaffected.
 
-*Compaction* (:meth:`Store.compact`) runs between requests: when idle (no message for ``IDLE_TICK_S``, or at
-once while a backlog remains) and after every ``compact_every`` requests, with ``compact_budget_bytes`` per call.
+*Compaction* (:meth:`Store.compact`) runs between requests, with ``compact_budget_bytes`` per call: on the bulk
+lane when it has no request (again at once while a backlog remains, else every ``IDLE_TICK_S``), and after every
+``compact_every`` bulk requests.
 
 *Memory.* Requests and replies of MiBs allocate buffers of that size on every call; :meth:`ShardServer.start`
 makes glibc recycle them (:func:`tune_malloc`) instead of paying a page fault per 4 KiB of fresh memory.
@@ -49,6 +58,8 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -100,6 +111,8 @@ DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader be
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
+BULK_MIN_BYTES = 1 << 20  # a shard's requests moving this much run on its bulk lane (see the module docstring)
+BULK_NICE = 10  # the bulk lane's thread (and the codec thread it starts) yield the CPU to the loop's small requests
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
 _OWNER_CACHE = 65536  # sequences whose owner a shard remembers (per routing)
@@ -108,6 +121,7 @@ _START_UP_OPS = (p.HelloRequest, p.PingRequest, p.StatsRequest)  # served while 
 # microseconds per call, a measurable share of a small request.
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
 _EVENTS, _RCVMORE, _SRCFD = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.SRCFD)
+_DONTWAIT = int(zmq.DONTWAIT)
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _get = zmq.backend.Socket.get
 _send = zmq.backend.Socket.send
@@ -124,7 +138,7 @@ class _Metrics:
         self.started = time.monotonic()
         self.requests = self.errors = self.busy = self.bytes_in = self.bytes_out = 0
         self.replies_dropped = self.queue_peak = self.compactions = self.compacted_bytes = 0
-        self.replies_over_budget = 0
+        self.replies_over_budget = self.bulk_requests = 0
         self._stamp = [0] * RATE_WINDOW_S
         self._count = [0] * RATE_WINDOW_S
 
@@ -142,8 +156,10 @@ class _Metrics:
         span = min(float(RATE_WINDOW_S), max(now - self.started, 1e-3))
         return total / span
 
-    def snapshot(self, queue_depth: int, queued_bytes: int, peers_cut: int, replies_held: int) -> dict[str, Any]:
+    def snapshot(self, queue_depth: int, queued_bytes: int, peers_cut: int, replies_held: int,
+                 bulk_depth: int) -> dict[str, Any]:
         return {"requests": self.requests, "errors": self.errors, "busy": self.busy,
+                "bulk_requests": self.bulk_requests, "bulk_depth": bulk_depth,
                 "requests_per_s": round(self.rate(), 3), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "replies_dropped": self.replies_dropped, "replies_over_budget": self.replies_over_budget,
                 "peers_cut": peers_cut, "replies_held_bytes": replies_held,
@@ -202,6 +218,9 @@ class _RouterServer:
         self._start_error: BaseException | None = None
         self._compact_every = 0  # requests between idle-work calls under load (0: only when idle)
         self._since_idle = 0
+        self._lane: _BulkLane | None = None  # a shard's bulk lane (started by _main when _wants_lane)
+        self._bulk_owed: dict[bytes, int] = {}  # connection -> its requests on the bulk lane (loop thread only)
+        self._bulk_pending = 0
 
     # -------------------------------------------------------------------------------------------- lifecycle
 
@@ -238,13 +257,15 @@ class _RouterServer:
 
     def metrics(self) -> dict[str, Any]:
         """Counters: requests (messages received), errors (error replies, Busy excluded), busy,
-        requests_per_s (over the last 10 s), bytes_in / bytes_out (frames after the identity),
+        requests_per_s (over the last 10 s), bulk_requests (run on a shard's bulk lane), bulk_depth (waiting or
+        running on it now; counted in queue_depth),
+        bytes_in / bytes_out (frames after the identity),
         replies_dropped (peer gone or not reading, or over the reply budget), replies_over_budget (of those: over
         ``max_reply_bytes``), peers_cut (by the connection guard), replies_held_bytes (replies not yet in the
         kernel, last look), queue_depth, queued_bytes, queue_peak, compactions, compacted_bytes, uptime_s."""
         guard = self._guard
-        return self._metrics.snapshot(len(self._queue), self._queued_bytes, guard.cuts if guard else 0,
-                                      guard.held_total if guard else 0)
+        return self._metrics.snapshot(len(self._queue) + self._bulk_pending, self._queued_bytes,
+                                      guard.cuts if guard else 0, guard.held_total if guard else 0, self._bulk_pending)
 
     def __enter__(self) -> _RouterServer:
         self.start()
@@ -313,6 +334,9 @@ class _RouterServer:
                     auth.configure_curve_callback(domain=ZAP_DOMAIN,
                                                   credentials_provider=AllowList(self._curve.authorized_keys))
             sock = self._open(ctx)
+            if self._wants_lane:
+                self._lane = _BulkLane(ctx, self._reply, self._idle, compact_every=self._compact_every,
+                                       name=f"kvd-{self._NAME}-bulk")
         except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
             self._start_error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
             self._ready.set()
@@ -328,6 +352,9 @@ class _RouterServer:
         except Exception:  # pragma: no cover - the loop catches everything per request; this is a last resort
             log.exception("%s at %s crashed", self._NAME, self._endpoint)
         finally:
+            lane, self._lane = self._lane, None
+            if lane is not None:
+                lane.stop()
             self._close_guard(sock)
             sock.close(self._linger_ms)
             if auth is not None:
@@ -359,11 +386,29 @@ class _RouterServer:
                 log.exception("%s at %s: unexpected error, serving on", self._NAME, self._endpoint)
 
     def _turn(self, sock: zmq.Socket[Any], idle_work: bool) -> bool:
-        """One turn: receive (blocking only when idle), admit everything ready, run the oldest request.
-        Returns whether idle work (compaction) remains."""
+        """One turn: receive (blocking only when idle), admit everything ready, run the oldest request (or hand
+        it to the bulk lane). Returns whether idle work (compaction) remains."""
         queue = self._queue
         guard = self._guard
-        if not queue:
+        lane = self._lane
+        if lane is not None:
+            if self._bulk_pending:
+                self._deliver(sock, lane)
+            if not queue:
+                if self._bulk_pending:  # wait for a message or for the bulk lane's next reply
+                    lane.wait(sock)
+                    self._deliver(sock, lane)
+                    if not int(_get(sock, _EVENTS)) & _POLLIN:
+                        return False
+                    self._admit(sock, recv_frames(sock))
+                else:
+                    try:
+                        self._admit(sock, recv_frames(sock))  # blocks up to IDLE_TICK_S (RCVTIMEO)
+                    except zmq.Again:
+                        if guard is not None:
+                            guard.drains += 1
+                        return False
+        elif not queue:
             if idle_work:  # a backlog remains: look for a message without blocking, else work on the backlog
                 if not sock.poll(0, zmq.POLLIN):
                     if guard is not None:
@@ -388,14 +433,36 @@ class _RouterServer:
         if not queue:
             return idle_work
         ident, frames, size, fd = queue.popleft()
-        self._queued_bytes -= size
-        reply = self._run(frames)
+        reply = self._run(frames, ident, size, fd)
         del frames  # the request's buffers go before the reply is sent
+        if reply is None:  # on the bulk lane: its bytes stay queued until it is answered
+            return idle_work
+        self._queued_bytes -= size
         self._send(sock, ident, reply, fd)
+        if lane is not None:
+            return False
         self._since_idle += 1
         if self._since_idle >= self._compact_every > 0:
             return self._idle()
         return idle_work
+
+    def _deliver(self, sock: zmq.Socket[Any], lane: _BulkLane) -> None:
+        """Send the replies the bulk lane has finished (on the loop thread, which owns the socket)."""
+        done = lane.done
+        metrics = self._metrics
+        owed = self._bulk_owed
+        while done:
+            ident, reply, size, fd, error = done.popleft()
+            self._bulk_pending -= 1
+            self._queued_bytes -= size
+            n = owed[ident] - 1
+            if n:
+                owed[ident] = n
+            else:
+                del owed[ident]
+            if error:
+                metrics.errors += 1
+            self._send(sock, ident, reply, fd)
 
     def _admit(self, sock: zmq.Socket[Any], msg: list[zmq.Frame]) -> None:
         metrics = self._metrics
@@ -412,7 +479,8 @@ class _RouterServer:
             fd = frames[0].get(_SRCFD)
             guard.took(fd, lens)
         queue = self._queue
-        if queue and (len(queue) >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes):
+        depth = len(queue) + self._bulk_pending
+        if depth and (depth >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes):
             metrics.busy += 1
             rid = _peek_id(frames)
             del msg, frames
@@ -423,25 +491,45 @@ class _RouterServer:
             return
         queue.append((ident, frames, size, fd))
         self._queued_bytes += size
-        if len(queue) > metrics.queue_peak:
-            metrics.queue_peak = len(queue)
+        if depth + 1 > metrics.queue_peak:
+            metrics.queue_peak = depth + 1
 
-    def _run(self, frames: list[zmq.Frame]) -> list[p.Frame]:
-        """Parse, execute and encode: the reply frames. Never raises."""
+    def _run(self, frames: list[zmq.Frame], ident: bytes, size: int, fd: int) -> list[p.Frame] | None:
+        """Parse, execute and encode: the reply frames; or None when the request went to the bulk lane (its
+        reply comes back through :meth:`_deliver`). Never raises."""
         views = [f.buffer for f in frames]
         req = p.parse_request(views, self._limits)
         if isinstance(req, p.ErrorReply):
             self._metrics.errors += 1
             return p.encode_reply(req)
-        try:
-            return p.encode_reply(self._execute(req), self._limits)
-        except KvdError as exc:
+        lane = self._lane
+        if lane is not None and (ident in self._bulk_owed or self._is_bulk(req, size)):
+            self._bulk_owed[ident] = self._bulk_owed.get(ident, 0) + 1
+            self._bulk_pending += 1
+            self._metrics.bulk_requests += 1
+            lane.submit((ident, req, frames, size, fd))
+            return None
+        reply, error = self._reply(req)
+        if error:
             self._metrics.errors += 1
-            return p.encode_reply(p.error_reply(req.request_id, exc))
+        return reply
+
+    def _reply(self, req: Any) -> tuple[list[p.Frame], bool]:
+        """Execute a parsed request and encode its reply: ``(frames, whether it is an error reply)``. Never
+        raises; runs on either lane."""
+        try:
+            return p.encode_reply(self._execute(req), self._limits), False
+        except KvdError as exc:
+            return p.encode_reply(p.error_reply(req.request_id, exc)), True
         except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
             log.exception("%s: internal error on %s", self._NAME, type(req).__name__)
-            self._metrics.errors += 1
-            return p.encode_reply(p.error_reply(req.request_id, exc))
+            return p.encode_reply(p.error_reply(req.request_id, exc)), True
+
+    _wants_lane = False  # a bulk lane for this server (ShardServer)
+
+    def _is_bulk(self, req: Any, size: int) -> bool:
+        """Whether a request runs on the bulk lane (see the module docstring)."""
+        return False
 
     def _send(self, sock: zmq.Socket[Any], ident: bytes, frames: list[p.Frame], fd: int) -> None:
         guard = self._guard
@@ -475,6 +563,108 @@ class _RouterServer:
         return p.HelloReply.for_limits(self._limits, request_id=req.request_id, kvd_version=__version__,
                                        page_format_version=pages.FORMAT_VERSION, role=role, shard_id=name,
                                        page_tokens=page_tokens)
+
+
+class _BulkLane:
+    """A shard's second serving thread: runs the requests :meth:`_RouterServer._is_bulk` picks, in the order
+    submitted, and the store's compaction when it has none. The loop submits ``(ident, request, frames, size,
+    fd)``; the lane appends ``(ident, reply frames, size, fd, is_error)`` to :attr:`done` and wakes the loop
+    through an inproc PAIR socket (ZeroMQ sockets stay with the threads that use them)."""
+
+    def __init__(self, ctx: zmq.Context[Any], reply: Callable[[Any], tuple[list[p.Frame], bool]],
+                 idle: Callable[[], bool], *, compact_every: int, name: str) -> None:
+        self.done: collections.deque[tuple[bytes, list[p.Frame], int, int, bool]] = collections.deque()
+        self._jobs: collections.deque[tuple[bytes, Any, list[zmq.Frame], int, int]] = collections.deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._reply, self._idle = reply, idle
+        self._compact_every = compact_every  # jobs between idle-work calls while jobs keep coming (0: never)
+        self._stopping = False
+        self._endpoint = f"inproc://{name}-{id(self):x}"
+        self._rx = ctx.socket(zmq.PAIR)  # the loop's end
+        self._rx.setsockopt(zmq.LINGER, 0)
+        self._rx.bind(self._endpoint)
+        self._ctx = ctx
+        self._poll = [(None, _POLLIN), (self._rx, _POLLIN)]
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(ready,), name=name, daemon=True)
+        self._thread.start()
+        ready.wait(5.0)
+
+    def submit(self, job: tuple[bytes, Any, list[zmq.Frame], int, int]) -> None:
+        with self._cv:
+            self._jobs.append(job)
+            self._cv.notify()
+
+    def wait(self, sock: zmq.Socket[Any]) -> None:
+        """(Loop thread) block until ``sock`` has a message or the lane a reply, at most ``IDLE_TICK_S``."""
+        if self.done:
+            return
+        self._poll[0] = (sock, _POLLIN)
+        zmq.zmq_poll(self._poll, int(IDLE_TICK_S * 1000))
+        rx = self._rx
+        with contextlib.suppress(zmq.Again):
+            while True:
+                rx.recv(_DONTWAIT, copy=False)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(10.0)
+        self._rx.close(0)
+
+    def _main(self, ready: threading.Event) -> None:
+        lower_thread_priority(BULK_NICE)
+        tx = self._ctx.socket(zmq.PAIR)
+        tx.setsockopt(zmq.LINGER, 0)
+        tx.connect(self._endpoint)
+        ready.set()
+        idle_work = True
+        since_idle = 0
+        try:
+            while True:
+                with self._cv:
+                    while not self._jobs and not self._stopping and not idle_work:
+                        idle_work = not self._cv.wait(IDLE_TICK_S)  # a tick without work: compact again
+                    if self._stopping:
+                        return
+                    job = self._jobs.popleft() if self._jobs else None
+                if job is None:
+                    since_idle = 0
+                    idle_work = self._run_idle()
+                    continue
+                ident, req, frames, size, fd = job
+                reply, error = self._reply(req)
+                del req, frames, job  # the request's buffers go before the reply is sent
+                self.done.append((ident, reply, size, fd, error))
+                with contextlib.suppress(zmq.Again):  # (the loop also looks at `done` every turn)
+                    tx.send(b"", _DONTWAIT)
+                idle_work = True
+                since_idle += 1
+                if since_idle >= self._compact_every > 0:
+                    since_idle = 0
+                    self._run_idle()
+        finally:
+            tx.close(0)
+
+    def _run_idle(self) -> bool:
+        try:
+            return self._idle()
+        except Exception:  # noqa: BLE001 - idle work must not stop the lane
+            log.exception("bulk lane: idle work failed")
+            return False
+
+
+def lower_thread_priority(steps: int) -> None:
+    """Raise the calling thread's nice value by ``steps`` (Linux: nice is per thread; threads it creates
+    inherit it). Elsewhere, or when refused, nothing changes."""
+    if not sys.platform.startswith("linux") or steps <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
+    except OSError as exc:
+        log.debug("thread priority unchanged: %s", exc)
 
 
 def _peek_id(frames: list[zmq.Frame]) -> int | None:
@@ -597,6 +787,17 @@ class ShardServer(_RouterServer):
             raise WrongShard(f"shard {self._shard_id!r} does not own sequence {seq_id!r} of namespace "
                              f"{namespace!r}: shard {router.shard_ids[index]!r} does (topology epoch {epoch}); "
                              "refresh the topology and resend. Nothing was done")
+
+    _wants_lane = True
+
+    def _is_bulk(self, req: Any, size: int) -> bool:
+        kind = type(req)
+        if kind is p.AppendRequest:
+            return size >= BULK_MIN_BYTES
+        if kind is p.GetRequest:
+            return self._store.read_bytes(req.namespace, req.seq_id, req.start, req.end,
+                                          req.layers) >= BULK_MIN_BYTES
+        return kind is p.RegisterRequest  # may wait for the coordinator (on_register)
 
     def start(self, timeout_s: float = 10.0) -> str:
         if self._recycle_memory:

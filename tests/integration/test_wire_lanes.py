@@ -1,0 +1,165 @@
+"""A shard's two lanes (kvd.wire.server, "Two lanes"): a large request runs on the bulk lane while small ones
+from other connections are answered; requests of one connection still run in the order sent; the bulk lane
+compacts when idle. A real ShardServer on 127.0.0.1, real clients; the large request is held inside its
+unlocked encode (a wrapped seal_rows) so the test decides when it ends."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from kvd.client import Client
+from kvd.store import Store
+from kvd.store import pool as sp
+from kvd.store import sequences as store_seq
+from kvd.wire import protocol as p
+from kvd.wire.server import BULK_MIN_BYTES, ShardServer
+
+NS = "lanes"
+LAYOUT = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 128}
+TOKEN_BYTES = 2 * 4 * 8 * 128 * 2
+BIG = BULK_MIN_BYTES // TOKEN_BYTES * 2  # tokens of an append that runs on the bulk lane
+WAIT_S = 20.0
+
+
+def kv(tokens: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (4, tokens, 8, 128)
+    return rng.standard_normal(shape).astype(np.float16), rng.standard_normal(shape).astype(np.float16)
+
+
+class Gate:
+    """Holds the first call of ``module.name`` made on the bulk lane's thread until :meth:`open`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+        real = getattr(module, name)
+        armed = [True]
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            if armed[0] and threading.current_thread().name.endswith("-bulk"):
+                armed[0] = False
+                self.entered.set()
+                self.go.wait(WAIT_S)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, held)
+
+    def open(self) -> None:
+        self.go.set()
+
+
+@pytest.fixture
+def server() -> Iterator[ShardServer]:
+    srv = ShardServer(Store(1 << 30), shard_id="lanes", recycle_memory=False)
+    srv.start()
+    with Client(srv.endpoint, timeout_s=WAIT_S) as c:
+        c.register(NS, **LAYOUT)
+    yield srv
+    srv.stop()
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_small_requests_of_other_connections_are_served_while_a_large_append_runs(
+        server: ShardServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate(monkeypatch, sp, "seal_rows")
+    k, v = kv(BIG, 1)
+    dk, dv = kv(1, 2)
+    with Client(server.endpoint, timeout_s=WAIT_S) as prefill, Client(server.endpoint, timeout_s=5) as decode:
+        decode.append(NS, "decode", dk, dv)
+        big, out = in_thread(lambda: prefill.append(NS, "prefill", k, v))
+        assert gate.entered.wait(WAIT_S), "the large append did not reach the bulk lane's encode"
+        # the prefill is held mid-encode: a decode step, a read and a lookup of another client go through
+        for n in range(2, 12):
+            assert decode.append(NS, "decode", dk, dv) == n
+        assert decode.length(NS, "decode") == 11
+        np.testing.assert_array_equal(decode.get(NS, "decode")[0][:, -1:], dk)
+        assert big.is_alive() and not out
+        assert server.metrics()["bulk_depth"] == 1
+        gate.open()
+        big.join(WAIT_S)
+        assert out == [BIG]
+        np.testing.assert_array_equal(decode.get(NS, "prefill")[0], k)
+    metrics = server.metrics()
+    assert metrics["bulk_requests"] >= 2 and metrics["bulk_depth"] == 0  # the prefill and its large read
+
+
+def test_a_large_read_does_not_hold_small_requests(server: ShardServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    with Client(server.endpoint, timeout_s=WAIT_S) as c:
+        k, v = kv(BIG, 3)
+        c.append(NS, "big", k, v)
+        c.append(NS, "small", *kv(1, 4))
+    gate = Gate(monkeypatch, store_seq, "read_into")
+    with Client(server.endpoint, timeout_s=WAIT_S) as reader, Client(server.endpoint, timeout_s=5) as other:
+        read, out = in_thread(lambda: reader.get(NS, "big"))
+        assert gate.entered.wait(WAIT_S)
+        assert other.append(NS, "small", *kv(1, 5)) == 2
+        assert other.drop(NS, "big")  # the read in flight keeps what it started with
+        gate.open()
+        read.join(WAIT_S)
+        np.testing.assert_array_equal(out[0][0], k)
+        np.testing.assert_array_equal(out[0][1], v)
+
+
+def test_requests_of_one_connection_run_in_the_order_sent(server: ShardServer,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection pipelines a large append, then small requests on the same sequence: they wait for it (they
+    follow it onto the bulk lane), and the replies come back in the order sent."""
+    gate = Gate(monkeypatch, sp, "seal_rows")
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(server.endpoint)
+        k, v = kv(BIG, 6)
+        sk, sv = kv(1, 7)
+        requests = [p.AppendRequest(request_id=1, namespace=NS, seq_id="s", keys=k, values=v),
+                    p.LengthRequest(request_id=2, namespace=NS, seq_id="s"),
+                    p.AppendRequest(request_id=3, namespace=NS, seq_id="s", keys=sk, values=sv),
+                    p.LengthRequest(request_id=4, namespace=NS, seq_id="s")]
+        for req in requests:
+            sock.send_multipart(p.encode_request(req))
+        assert gate.entered.wait(WAIT_S)
+        time.sleep(0.2)
+        assert not sock.poll(0), "a small request of the connection overtook its large append"
+        gate.open()
+        replies = []
+        while len(replies) < 4:
+            assert sock.poll(int(WAIT_S * 1000))
+            replies.append(p.decode_reply(sock.recv_multipart()))
+        assert [r.request_id for r in replies] == [1, 2, 3, 4]
+        assert [r.length for r in replies] == [BIG, BIG, BIG + 1, BIG + 1]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_bulk_lane_compacts_while_small_requests_are_served(server: ShardServer) -> None:
+    with Client(server.endpoint, timeout_s=WAIT_S) as c:
+        for i in range(4):
+            c.append(NS, f"s{i}", *kv(BIG, 10 + i))
+        server._store.set_level("q4", 1)  # a backlog of fp16 pages to re-encode
+        deadline = time.monotonic() + WAIT_S
+        n = 0
+        while c.stats()["compaction_backlog_bytes"]:
+            n += 1
+            assert c.append(NS, "decode", *kv(1, 20)) == n  # served throughout
+            assert time.monotonic() < deadline, c.stats()
+    assert server.metrics()["compactions"] >= 1
