@@ -8,8 +8,8 @@ methods of kvd.client.Client and kvd.wire.server.ShardServer, so it moves with t
     encode + send       encode_request and the ZeroMQ send
     transit c->s        until the server's loop has the message (ZeroMQ I/O threads, TCP, wake-ups)
     admission           admission into the queue until the request runs
-    server run          parse, store operation, reply encoding
-    server send         the reply's ZeroMQ send
+    server run          parse, store operation, reply encoding (for a request of 1 MiB or more: on the bulk lane)
+    server send         the reply's ZeroMQ send (from the bulk lane: also the hand-back to the loop)
     transit s->c        until the client has the whole reply
     client decode       decode_reply (header, field checks, tensor views)
     decode -> return    the rest of the call (for format="pages": the page decode, assemble)
@@ -52,23 +52,26 @@ def server(conn: Any, level: str, n: int, capacity_bytes: int) -> None:
         store.set_level(level, 1)
     srv = ShardServer(store, shard_id="phases")
     stamps: list[float] = []
-    admit, run, send = srv._admit, srv._run, srv._send
+    admit, run, reply, send = srv._admit, srv._run, srv._reply, srv._send
 
     def admit_(sock: Any, msg: Any) -> None:
         stamps.append(time.perf_counter())
         admit(sock, msg)
 
-    def run_(frames: Any) -> Any:
+    def run_(frames: Any, *rest: Any) -> Any:  # parse, then run here or hand to the bulk lane
         stamps.append(time.perf_counter())
-        reply = run(frames)
+        return run(frames, *rest)
+
+    def reply_(req: Any) -> Any:  # execute and encode, on either lane
+        out = reply(req)
         stamps.append(time.perf_counter())
-        return reply
+        return out
 
     def send_(sock: Any, ident: bytes, frames: Any, *rest: Any) -> None:
         send(sock, ident, frames, *rest)
         stamps.append(time.perf_counter())
 
-    srv._admit, srv._run, srv._send = admit_, run_, send_  # type: ignore[method-assign,assignment]
+    srv._admit, srv._run, srv._reply, srv._send = admit_, run_, reply_, send_  # type: ignore[method-assign]
     conn.send(srv.start())
     while conn.recv() == "cpu":  # this process's CPU seconds so far (every thread: the loop and ZeroMQ's I/O)
         conn.send(time.process_time())

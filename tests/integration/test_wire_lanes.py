@@ -163,3 +163,18 @@ def test_the_bulk_lane_compacts_while_small_requests_are_served(server: ShardSer
             assert c.append(NS, "decode", *kv(1, 20)) == n  # served throughout
             assert time.monotonic() < deadline, c.stats()
     assert server.metrics()["compactions"] >= 1
+
+
+@pytest.mark.skipif(not hasattr(threading, "get_native_id") or not __import__("sys").platform.startswith("linux"),
+                    reason="per-thread nice values are Linux's")
+def test_the_bulk_lane_yields_the_cpu_to_the_loop(server: ShardServer) -> None:
+    from kvd.cluster.priority import thread_nice_values
+    from kvd.wire.server import BULK_NICE
+
+    lane = server._lane
+    loop = server._thread
+    assert lane is not None and loop is not None
+    nice = thread_nice_values()
+    mine, loops = nice[lane._thread.native_id], nice[loop.native_id]
+    assert mine == min(19, loops + BULK_NICE)
+    assert mine > loops or loops == 19  # the lane yields to the loop
