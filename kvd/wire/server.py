@@ -112,6 +112,7 @@ DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
 BULK_MIN_BYTES = 1 << 20  # a shard's requests moving this much run on its bulk lane (see the module docstring)
+COMPACT_STEP_BYTES = 1 << 20  # compaction takes the store's lock for at most about this much re-encoding
 BULK_NICE = 10  # the bulk lane's thread (and the codec thread it starts) yield the CPU to the loop's small requests
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
@@ -821,14 +822,28 @@ class ShardServer(_RouterServer):
         self._since_idle = 0
         if not self._compact_budget:
             return False
+        # In steps of COMPACT_STEP_BYTES, letting go of the store's lock (and the GIL) between them: a small
+        # request on the loop waits for one step, not for the whole budget. A step that does nothing (no
+        # backlog: it returns at once; or pages larger than the step) doubles it.
+        metrics = self._metrics
+        left, step, freed = self._compact_budget, COMPACT_STEP_BYTES, 0
         try:
-            freed = self._store.compact(self._compact_budget)
+            while left > 0:
+                take = min(step, left)
+                got = self._store.compact(take)
+                if not got:
+                    if take == left:
+                        break
+                    step *= 2
+                    continue
+                freed += got
+                metrics.compactions += 1
+                metrics.compacted_bytes += got
+                left -= take
+                time.sleep(0)
         except Exception:  # noqa: BLE001 - compaction must not stop serving
             log.exception("shard %s: compaction failed", self._shard_id)
             return False
-        if freed:
-            self._metrics.compactions += 1
-            self._metrics.compacted_bytes += freed
         return freed > 0
 
     def _on_hello(self, req: p.HelloRequest) -> p.HelloReply:

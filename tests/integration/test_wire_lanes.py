@@ -178,3 +178,31 @@ def test_the_bulk_lane_yields_the_cpu_to_the_loop(server: ShardServer) -> None:
     mine, loops = nice[lane._thread.native_id], nice[loop.native_id]
     assert mine == min(19, loops + BULK_NICE)
     assert mine > loops or loops == 19  # the lane yields to the loop
+
+
+def test_compaction_takes_the_store_lock_one_step_at_a_time(server: ShardServer,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lane compacts its budget (8 MiB by default) in steps of COMPACT_STEP_BYTES, each a store call of its
+    own, so a small request waits for one step at most, not for the whole budget."""
+    from kvd.wire.server import COMPACT_STEP_BYTES
+
+    store = server._store
+    budgets: list[int] = []  # of the calls that re-encoded something
+    real = store.compact
+
+    def compact(budget: int) -> int:
+        freed = real(budget)
+        if freed:
+            budgets.append(budget)
+        return freed
+
+    with Client(server.endpoint, timeout_s=WAIT_S) as c:
+        for i in range(4):
+            c.append(NS, f"s{i}", *kv(BIG, 30 + i))
+        monkeypatch.setattr(store, "compact", compact)
+        store.set_level("q8", 1)
+        deadline = time.monotonic() + WAIT_S
+        while c.stats()["compaction_backlog_bytes"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert len(budgets) > 4 and max(budgets) <= COMPACT_STEP_BYTES
