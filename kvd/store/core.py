@@ -705,15 +705,15 @@ class Store(Compaction, Eviction):
 
     def stats(self) -> dict[str, Any]:
         """A consistent snapshot. Bytes: ``used_bytes`` (= ``page_bytes`` + ``tail_bytes`` + ``pool_bytes`` +
-        ``metadata_bytes`` + ``reserved_bytes``, the last the peak need of large appends encoding at that
-        moment: the module docstring, "Threads"), ``capacity_bytes``, ``pressure`` (used / capacity), ``compaction_backlog_bytes``,
-        ``pages_by_level`` / ``bytes_by_level`` (sealed pages by format tag); the level in force (tag), its page
-        ``format`` and ``epoch``; ``ordered_level`` (the newest order's level), ``ahead`` (the level this store
-        runs at under its own pressure, or None) with ``ahead_reason`` and ``ahead_count`` (times it ran ahead),
-        ``level_reason`` (why the level in force is what it is), ``max_level``, ``squeezes`` / ``squeezed_bytes``
-        (appends that compressed to make room, bytes freed); ``tokens``, ``sequences``, ``namespaces``; counters
-        (``gets`` counts get and get_pages calls, ``refusals`` out-of-memory refusals, ``evictions`` evicted
-        sequences)."""
+        ``metadata_bytes`` + ``reserved_bytes``, the last the peak need of large appends encoding at that moment:
+        the module docstring, "Threads"), ``capacity_bytes``, ``pressure`` (used / capacity),
+        ``compaction_backlog_bytes``, ``pages_by_level`` / ``bytes_by_level`` (sealed pages by format tag); the
+        level in force (tag), its page ``format`` and ``epoch``; ``ordered_level`` (the newest order's level),
+        ``ahead`` (the level this store runs at under its own pressure, or None) with ``ahead_reason`` and
+        ``ahead_count`` (times it ran ahead), ``level_reason`` (why the level in force is what it is),
+        ``max_level``, ``squeezes`` / ``squeezed_bytes`` (appends that compressed to make room, bytes freed);
+        ``tokens``, ``sequences``, ``namespaces``; counters (``gets`` counts get and get_pages calls, ``refusals``
+        out-of-memory refusals, ``evictions`` evicted sequences)."""
         with self._lock:
             led = self._ledger
             used = led.used

@@ -113,7 +113,7 @@ IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and 
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
 BULK_MIN_BYTES = 1 << 20  # a shard's requests moving this much run on its bulk lane (see the module docstring)
 COMPACT_STEP_BYTES = 1 << 20  # compaction takes the store's lock for at most about this much re-encoding
-BULK_NICE = 10  # the bulk lane's thread (and the codec thread it starts) yield the CPU to the loop's small requests
+BULK_NICE = 10  # the bulk lane's thread (and the codec thread it starts) yield the CPU to the loop's requests
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
 _OWNER_CACHE = 65536  # sequences whose owner a shard remembers (per routing)
@@ -266,7 +266,8 @@ class _RouterServer:
         kernel, last look), queue_depth, queued_bytes, queue_peak, compactions, compacted_bytes, uptime_s."""
         guard = self._guard
         return self._metrics.snapshot(len(self._queue) + self._bulk_pending, self._queued_bytes,
-                                      guard.cuts if guard else 0, guard.held_total if guard else 0, self._bulk_pending)
+                                      guard.cuts if guard else 0, guard.held_total if guard else 0,
+                                      self._bulk_pending)
 
     def __enter__(self) -> _RouterServer:
         self.start()
@@ -615,7 +616,7 @@ class _BulkLane:
         self._rx.close(0)
 
     def _main(self, ready: threading.Event) -> None:
-        lower_thread_priority(BULK_NICE)
+        lower_thread_priority(BULK_NICE, BULK_THREAD_NAME)
         tx = self._ctx.socket(zmq.PAIR)
         tx.setsockopt(zmq.LINGER, 0)
         tx.connect(self._endpoint)
@@ -656,10 +657,22 @@ class _BulkLane:
             return False
 
 
-def lower_thread_priority(steps: int) -> None:
-    """Raise the calling thread's nice value by ``steps`` (Linux: nice is per thread; threads it creates
-    inherit it). Elsewhere, or when refused, nothing changes."""
-    if not sys.platform.startswith("linux") or steps <= 0:
+BULK_THREAD_NAME = "kvd-bulk"  # the lane's name in the kernel (top -H, /proc/PID/task/*/comm)
+
+
+def lower_thread_priority(steps: int, name: str) -> None:
+    """Raise the calling thread's nice value by ``steps`` and give it ``name`` in the kernel (Linux: nice and
+    the name are per thread, and threads it creates inherit both). Elsewhere, or when refused, nothing
+    changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError) as exc:
+        log.debug("thread name unchanged: %s", exc)
+    if steps <= 0:
         return
     try:
         tid = threading.get_native_id()

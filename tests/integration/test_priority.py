@@ -14,6 +14,7 @@ import ray
 from kvd.client import Client
 from kvd.cluster.deploy import Deployment, deploy, teardown
 from kvd.config import load_config
+from kvd.wire.server import BULK_NICE, BULK_THREAD_NAME
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
@@ -63,14 +64,21 @@ def test_ray_itself_starts_workers_at_a_low_priority() -> None:
 
 
 def test_every_thread_of_a_shard_and_the_coordinator_runs_at_nice_0(deployed: Deployment) -> None:
+    """Every thread at nice 0 but a shard's bulk lane (and the codec thread it starts), which yields to the
+    threads serving small requests by BULK_NICE (kvd.wire.server, "Two lanes")."""
     (shard,) = deployed.shards.values()
     shard_pid = ray.get(shard.info.remote(), timeout=30)["pid"]
     coordinator_pid = ray.get(deployed.coordinator.pid.remote(), timeout=30)
     with Client(deployed.endpoint, timeout_s=10) as client:  # the serving threads have done their work
-        client.register("nice", num_layers=1, num_kv_heads=1, head_dim=16)
+        client.register("nice", num_layers=1, num_kv_heads=1, head_dim=16)  # (register runs on the bulk lane)
     for who, pid in (("shard", shard_pid), ("coordinator", coordinator_pid)):
         nices = thread_nices(pid)
         assert len(nices) >= 4, nices  # main, Ray's threads, the server, ZeroMQ's I/O thread at least
         assert any("ZMQbg" in name for name in nices), nices  # ZeroMQ's I/O threads, created after __init__ began
-        not_normal = {name: nice for name, nice in nices.items() if nice != 0}
+        bulk = {name: nice for name, nice in nices.items() if name.endswith(f" {BULK_THREAD_NAME}")}
+        not_normal = {name: nice for name, nice in nices.items() if nice != 0 and name not in bulk}
         assert not not_normal, f"{who} threads not at nice 0: {not_normal}"
+        if who == "shard":
+            assert bulk and set(bulk.values()) == {BULK_NICE}, nices
+        else:
+            assert not bulk, nices
