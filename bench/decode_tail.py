@@ -1,0 +1,153 @@
+"""Decode-step latency on one shard while other clients prefill, this checkout against another (an A/B of the
+serving path, without Ray).
+
+One ShardServer process (4 GiB store, fp16, LRU) from each source tree in turn; one client appends decode steps
+(one token, all 32 layers of the 7B-class layout: 128 KiB) to 8 sequences in rotation, one at a time, while
+``--clients`` other processes loop: append a 512-token chunk (64 MiB), read it back, drop it. Rounds of
+``--seconds`` alternate between the trees, so both see the same machine; the table gives each round and the
+median over rounds of each tree: decode-step p50 / p99 / p999 and the prefill chunks per second.
+
+    python bench/decode_tail.py                                  # this checkout only
+    git worktree add /tmp/kvd-before <commit>; cp kvd/codec/_kernels*.so /tmp/kvd-before/kvd/codec/
+    KVD_PURE_PYTHON=1 python bench/decode_tail.py --other /tmp/kvd-before   # A/B, both trees from source
+    python bench/decode_tail.py --prefill-nice 19   # prefill clients yield the CPU, as clients on other machines
+
+``--other`` trees run from source (``KVD_PURE_PYTHON=1`` makes this checkout do the same, for a fair A/B); they
+need the kernel extension built or copied in, as above (the kernels are unchanged between the trees compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = str(Path(__file__).resolve().parents[1])
+LAYERS, HEADS, DIM = 32, 8, 128  # the 7B-class layout
+NS = "decode-tail"
+DECODE_SEQS = 8
+DECODE_MAX_TOKENS = 200
+
+
+def _use(src: str) -> None:
+    sys.path.insert(0, src)
+    for name in [m for m in sys.modules if m == "kvd" or m.startswith("kvd.")]:
+        del sys.modules[name]
+
+
+def _server(conn: Any, src: str) -> None:
+    _use(src)
+    from kvd.store import Store
+    from kvd.wire.server import ShardServer
+
+    server = ShardServer(Store(4 << 30, eviction="lru"), shard_id="decode-tail")
+    conn.send(server.start())
+    conn.recv()
+    server.stop()
+
+
+def _prefill(endpoint: str, src: str, index: int, tokens: int, nice: int, stop: Any, done: Any) -> None:
+    _use(src)
+    if nice:
+        os.nice(nice)
+    from kvd.client import Client
+
+    shape = (LAYERS, tokens, HEADS, DIM)
+    k = np.random.default_rng(index).standard_normal(shape, dtype=np.float32).astype(np.float16)
+    with Client(endpoint, timeout_s=120.0) as client:
+        i = 0
+        while not stop.is_set():
+            seq = f"prefill-{index}-{i}"
+            i += 1
+            client.append(NS, seq, k, k)
+            client.get(NS, seq)
+            client.drop(NS, seq)
+            with done.get_lock():
+                done.value += 1
+
+
+def _round(src: str, args: argparse.Namespace) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    server = ctx.Process(target=_server, args=(there, src), daemon=True)
+    server.start()
+    endpoint = here.recv()
+    _use(src)
+    from kvd.client import Client
+
+    stop, done = ctx.Event(), ctx.Value("l", 0)
+    workers = [ctx.Process(target=_prefill, args=(endpoint, src, i, args.prefill, args.prefill_nice, stop, done),
+                           daemon=True) for i in range(args.clients)]
+    try:
+        with Client(endpoint, timeout_s=60.0) as client:
+            client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+            for w in workers:
+                w.start()
+            time.sleep(2.0)  # the prefill clients are under way
+            step = np.random.default_rng(99).standard_normal((LAYERS, 1, HEADS, DIM), dtype=np.float32)
+            step = step.astype(np.float16)
+            lengths = dict.fromkeys(range(DECODE_SEQS), 0)
+            lat: list[float] = []
+            before, t0 = done.value, time.perf_counter()
+            i = 0
+            while time.perf_counter() < t0 + args.seconds:
+                s = i % DECODE_SEQS
+                i += 1
+                if lengths[s] >= DECODE_MAX_TOKENS:
+                    client.drop(NS, f"decode-{s}")
+                    lengths[s] = 0
+                t = time.perf_counter()
+                client.append(NS, f"decode-{s}", step, step)
+                lat.append(time.perf_counter() - t)
+                lengths[s] += 1
+            chunks = (done.value - before) / (time.perf_counter() - t0)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+            if w.is_alive():
+                w.kill()
+        here.send("stop")
+        server.join(10)
+    a = np.array(lat) * 1e3
+    return {"n": float(len(a)), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
+            "p999": float(np.percentile(a, 99.9)), "chunks": chunks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--other", help="another source tree to compare with (a git worktree of an older commit)")
+    ap.add_argument("--clients", type=int, default=4, help="prefill clients (default 4)")
+    ap.add_argument("--prefill", type=int, default=512, help="tokens per prefill chunk (default 512: 64 MiB)")
+    ap.add_argument("--prefill-nice", type=int, default=0, help="nice value added to the prefill clients")
+    ap.add_argument("--seconds", type=float, default=15.0, help="length of a round (default 15)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per tree (default 3)")
+    args = ap.parse_args()
+    trees = [("this", HERE)] + ([("other", str(Path(args.other).resolve()))] if args.other else [])
+    print(f"decode steps (128 KiB) on one shard while {args.clients} clients prefill {args.prefill}-token chunks "
+          f"({args.prefill * LAYERS * HEADS * DIM * 4 >> 20} MiB) at nice +{args.prefill_nice}; "
+          f"{os.cpu_count()} CPUs; this = {HERE}" + (f", other = {trees[1][1]}" if args.other else ""))
+    print("\n| round | tree | decode appends | p50 ms | p99 ms | p999 ms | prefill chunks/s |")
+    print("|---|---|---|---|---|---|---|")
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+    for rnd in range(args.rounds):
+        for name, src in trees:
+            r = _round(src, args)
+            rows[name].append(r)
+            print(f"| {rnd} | {name} | {r['n']:.0f} | {r['p50']:.2f} | {r['p99']:.2f} | {r['p999']:.2f} | "
+                  f"{r['chunks']:.1f} |", flush=True)
+    for name, _ in trees:
+        med = {k: statistics.median(r[k] for r in rows[name]) for k in ("n", "p50", "p99", "p999", "chunks")}
+        print(f"| median | {name} | {med['n']:.0f} | {med['p50']:.2f} | {med['p99']:.2f} | {med['p999']:.2f} | "
+              f"{med['chunks']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
