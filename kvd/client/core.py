@@ -272,6 +272,17 @@ def _on_wire(conn: _Conn, req: Any) -> Any:
     return req
 
 
+class First:
+    """The first attempt of a routed request, made by a client's fast path without the plan machinery (the
+    connection was open and greeted): the request as sent, its connection and deadline, and its ``outcome``,
+    the reply or the kvd error that sending or waiting raised. :meth:`_Core._g_routed` goes on from it."""
+
+    __slots__ = ("conn", "req", "deadline", "outcome")
+
+    def __init__(self, conn: _Conn, req: Any, deadline: float, outcome: Any) -> None:
+        self.conn, self.req, self.deadline, self.outcome = conn, req, deadline, outcome
+
+
 def _is_busy(reply: Any) -> bool:
     return isinstance(reply, p.ErrorReply) and reply.code == Busy.code
 
@@ -373,12 +384,14 @@ class _Core:
 
     # -------------------------------------------------------------------------------------------- plans
 
-    def _g_roundtrip(self, conn: _Conn, req: Any, deadline: float, timeout_s: float) -> Plan:
-        """Send and wait; ``Busy`` is retried with backoff until the deadline (a Busy request was not run)."""
+    def _g_roundtrip(self, conn: _Conn, req: Any, deadline: float, timeout_s: float, reply: Any = None) -> Plan:
+        """Send and wait; ``Busy`` is retried with backoff until the deadline (a Busy request was not run).
+        ``reply``: the reply to ``req``, already sent and received (a client's first attempt, :class:`First`)."""
         backoffs = iter(_BUSY_BACKOFF_S)
         while True:
-            yield ("send", conn, req, deadline)
-            reply = yield ("wait", conn, req, deadline, timeout_s)
+            if reply is None:
+                yield ("send", conn, req, deadline)
+                reply = yield ("wait", conn, req, deadline, timeout_s)
             if not _is_busy(reply):
                 return reply
             backoff = next(backoffs, _BUSY_BACKOFF_S[-1])
@@ -386,6 +399,7 @@ class _Core:
                 return reply
             yield ("sleep", backoff)
             req = _renumber(req, next(self._ids))
+            reply = None
 
     def _g_hello_reply(self, conn: _Conn, deadline: float) -> Plan:
         """The hello reply of ``conn``'s server, asking for its incarnation (protocol 1.3); a server older
@@ -458,21 +472,35 @@ class _Core:
                                                                         self.timeout_s))))
         return self.topology()
 
-    def _g_routed(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Plan:
+    def _g_routed(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None,
+                  first: First | None = None) -> Plan:
         """One request to the owner of ``(namespace, seq_id)``. On ShardUnavailable or Timeout, the topology is
         read again once and an idempotent request retried. On WrongShard (protocol 1.3) the request was not
-        executed: see :meth:`_g_moved`, then it is resent, within the call's timeout."""
-        deadline, tmo = self._deadline(timeout_s), self._tmo(timeout_s)
-        req = self._bind(make(next(self._ids)))
+        executed: see :meth:`_g_moved`, then it is resent, within the call's timeout. ``first``: the first
+        attempt, already made by the client's fast path (:class:`First`); the plan goes on from its outcome
+        exactly as if it had made that attempt itself."""
+        tmo = self._tmo(timeout_s)
+        if first is None:
+            deadline = self._deadline(timeout_s)
+            req = self._bind(make(next(self._ids)))
+        else:
+            deadline, req = first.deadline, first.req
         refreshed = False
         backoffs = iter(_ROUTE_BACKOFF_S)
         while True:
             conn: _Conn | None = None
             try:
-                conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
-                if type(req) is p.AppendRequest:
-                    req = _on_wire(conn, req)  # the incarnation it is meant for is fixed before it is sent
-                value = _value(req, (yield from self._g_roundtrip(conn, req, deadline, tmo)))
+                if first is not None:
+                    conn, outcome, first = first.conn, first.outcome, None
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    reply = yield from self._g_roundtrip(conn, req, deadline, tmo, outcome)
+                else:
+                    conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
+                    if type(req) is p.AppendRequest:
+                        req = _on_wire(conn, req)  # the incarnation it is meant for is fixed before it is sent
+                    reply = yield from self._g_roundtrip(conn, req, deadline, tmo)
+                value = _value(req, reply)
                 if type(req) in (p.AppendRequest, p.DropRequest):
                     self._remember(req, conn)
                 return value
@@ -566,9 +594,12 @@ class _Core:
             raise errors[0]
 
     def _plan_append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, offset: int | None,
-                     dtype: str | None, timeout_s: float | None, position: int | None = None) -> Plan:
-        first = self._topo.owner(namespace, seq_id)
-        conn = yield from self._g_conn(first, self._deadline(timeout_s))
+                     dtype: str | None, timeout_s: float | None, position: int | None = None,
+                     first: First | None = None) -> Plan:
+        if first is not None:  # a fast path's attempt: a whole append in one message
+            return (yield from self._g_routed(None, namespace, seq_id, timeout_s, first))
+        owner = self._topo.owner(namespace, seq_id)
+        conn = yield from self._g_conn(owner, self._deadline(timeout_s))
         chunks = _append_chunks(keys, values, conn.limits)
         length = offset
         for i, (k, v) in enumerate(chunks):
@@ -585,12 +616,13 @@ class _Core:
         return length
 
     def _plan_get(self, namespace: str, seq_id: p.SeqId, start: int, end: int | None,
-                  layers: Sequence[int] | None, fmt: str, timeout_s: float | None) -> Plan:
+                  layers: Sequence[int] | None, fmt: str, timeout_s: float | None, first: First | None = None
+                  ) -> Plan:
         def make(rid: int) -> p.GetRequest:
             return p.GetRequest(request_id=rid, namespace=namespace, seq_id=seq_id, start=start, end=end,
                                 layers=None if layers is None else tuple(layers), format=fmt)
         try:
-            return (yield from self._g_routed(make, namespace, seq_id, timeout_s))
+            return (yield from self._g_routed(make, namespace, seq_id, timeout_s, first))
         except MessageTooLarge:
             stop = end
             if stop is None:
@@ -677,8 +709,9 @@ class _Core:
             out[shard["id"]] = time.perf_counter() - t0
         return out
 
-    def _plan_simple(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Plan:
-        return (yield from self._g_routed(make, namespace, seq_id, timeout_s))
+    def _plan_simple(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None,
+                     first: First | None = None) -> Plan:
+        return (yield from self._g_routed(make, namespace, seq_id, timeout_s, first))
 
     def _all_conns(self) -> list[_Conn]:
         return [c for c in self._opened if not c.closed]

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvd.client.core import _check_hello, _Conn, _Core, _on_wire
+from kvd.client.core import First, _check_hello, _Conn, _Core, _on_wire
 from kvd.client.sync import _append_chunks, aggregate_stats
-from kvd.errors import ConfigError, InvalidArgument, ShardUnavailable
+from kvd.errors import Busy, ConfigError, InvalidArgument, ShardUnavailable, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.routing import Topology, owner
 from kvd.wire.server import CurveConfig, keygen
@@ -197,3 +197,56 @@ def test_a_refused_append_goes_to_the_owner_the_refreshed_topology_names_with_th
     assert _drive(fake.core._plan_append("m", seq, keys, keys, None, None, None), fake.respond) == 2
     fake.incarnations["shard-2"] = "inc-shard-2-c"
     assert _drive(fake.core._plan_append("m", seq, keys, keys, 2, None, None), fake.respond) == 2
+
+
+def _first_attempt(fake: _FakeCluster, shard_id: str, seq: str, keys: Any, outcome: Any = None) -> First:
+    """What Client's fast path hands the plan: the append as sent on the greeted connection, and its outcome
+    (the fake shard's reply unless given)."""
+    deadline = fake.core._deadline(None)
+    conn = _drive(fake.core._g_conn(fake.shard(shard_id), deadline), fake.respond)
+    req = _on_wire(conn, p.AppendRequest(request_id=next(fake.core._ids), namespace="m", seq_id=seq, keys=keys,
+                                         values=keys))
+    if outcome is None:
+        outcome = fake.respond(("wait", conn, req, deadline, 5.0))
+    fake.sent.clear()
+    return First(conn, req, deadline, outcome)
+
+
+def test_a_first_attempt_refused_with_wrong_shard_goes_on_as_the_plan_would() -> None:
+    fake = _FakeCluster(["shard-0", "shard-1"])  # a stale topology: shard-2 is missing
+    seq = next(f"s{i}" for i in range(1000) if owner(fake.ids, "m", f"s{i}") == 2)
+    stale = fake.core._topo.owner("m", seq)["id"]
+    keys = np.zeros((1, 2, 1, 4), np.float16)
+    first = _first_attempt(fake, stale, seq, keys)
+    assert isinstance(first.outcome, p.ErrorReply) and first.outcome.code == 19
+    assert _drive(fake.core._plan_append("m", seq, keys, keys, None, None, None, first=first), fake.respond) == 2
+    appends = [(endpoint, req) for endpoint, req in fake.sent if isinstance(req, p.AppendRequest)]
+    assert appends == [("tcp://shard-2:1", appends[0][1])] and appends[0][1].incarnation == "inc-shard-2"
+    assert appends[0][1].request_id != first.req.request_id  # resent under a new id, once, to the owner
+    assert sum(isinstance(r, p.TopologyRequest) for _, r in fake.sent) == 1
+
+
+def test_a_first_attempt_answered_busy_is_retried_after_a_pause() -> None:
+    fake = _FakeCluster(["shard-0", "shard-1", "shard-2"])
+    keys = np.zeros((1, 2, 1, 4), np.float16)
+    sid = fake.core._topo.owner("m", "s").get("id")
+    first = _first_attempt(fake, sid, "s", keys, p.ErrorReply(request_id=0, code=Busy.code, error="Busy",
+                                                               message="queue full"))
+    actions: list[str] = []
+
+    def respond(action: tuple[Any, ...]) -> Any:
+        actions.append(action[0])
+        return fake.respond(action)
+
+    assert _drive(fake.core._plan_append("m", "s", keys, keys, None, None, None, first=first), respond) == 2
+    assert actions == ["sleep", "send", "wait"]
+
+
+def test_a_first_attempt_that_timed_out_is_not_resent_for_an_append_but_the_topology_is_read_again() -> None:
+    fake = _FakeCluster(["shard-0", "shard-1", "shard-2"])
+    keys = np.zeros((1, 2, 1, 4), np.float16)
+    sid = fake.core._topo.owner("m", "s")["id"]
+    first = _first_attempt(fake, sid, "s", keys, Timeout("no reply"))
+    with pytest.raises(Timeout, match="no reply"):
+        _drive(fake.core._plan_append("m", "s", keys, keys, None, None, None, first=first), fake.respond)
+    assert [type(r) for _, r in fake.sent] == [p.TopologyRequest]
