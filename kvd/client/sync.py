@@ -230,8 +230,8 @@ class Client(_Core):
         if conn is None or conn.shard_id != shard["id"]:
             return None
         if tensor_bytes:  # an append: only one that fits one message (else the plan splits it along T)
-            limits = conn.limits
-            if tensor_bytes > min(limits.max_frame_bytes, (limits.max_message_bytes - limits.max_header_bytes) // 2):
+            lim = conn.limits
+            if tensor_bytes > min(lim.max_frame_bytes, (lim.max_message_bytes - lim.max_header_bytes) // 2):
                 return None
         deadline = self._deadline(timeout_s)
         if type(req) is p.AppendRequest:
