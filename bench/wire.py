@@ -38,7 +38,10 @@ started is reported and left out; the others still run. Every peer is started by
 
 Every process (servers and this one, which runs all the clients) recycles large buffers
 (kvd.wire.server.tune_malloc, what a ShardServer does by default): without it, fresh buffers cost a page
-fault per 4 KiB.
+fault per 4 KiB. This process opts in with kvd.client.recycle_buffers, keeping 1 GiB of freed heap: the 8
+pipelined 32 MiB replies (256 MiB) would otherwise reach the servers' 256 MiB trim threshold when they are freed
+and be mapped fresh again for the next batch (``--client-malloc server`` measures that, the setting of the
+servers).
 
 The layout is one layer of a 7B-class model (8 KV heads x 128 dims, 4 KiB of keys + values per token), so every
 payload is a whole number of tokens and pages have their real size (64 tokens: 128 KiB at fp16).
@@ -67,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from kvd.client import Client  # noqa: E402
+from kvd.client import Client, recycle_buffers  # noqa: E402
 from kvd.wire.server import tune_malloc  # noqa: E402
 
 SIZES = {"4 KiB": 4 << 10, "64 KiB": 64 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "32 MiB": 32 << 20}
@@ -595,8 +598,15 @@ def main() -> int:
                     help="only the cost of frames: raw pyzmq get of the same bytes in 1, 8, 64 and 640 frames")
     ap.add_argument("--packed", action="store_true",
                     help="only pages of a 32-layer sequence at q4: packed (protocol 1.1) vs one frame per page")
+    ap.add_argument("--client-malloc", choices=("recycle", "server"), default="recycle",
+                    help="this process's malloc: kvd.client.recycle_buffers (1 GiB kept, the default) or the "
+                         "servers' tune_malloc (256 MiB)")
     args = ap.parse_args()
-    tune_malloc()  # the clients (raw, kvd, redis) run in this process: one allocator setting for all
+    # the clients (raw, kvd, redis) run in this process: one allocator setting for all
+    if args.client_malloc == "recycle":
+        recycle_buffers(1 << 30)
+    else:
+        tune_malloc()
     if args.frames:
         return frames_only(0.4 if args.quick else 2.5)
     if args.packed:

@@ -33,11 +33,12 @@ from kvd.errors import (
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
 from kvd.wire.routing import Topology
-from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
+from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, tune_malloc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "aggregate_stats", "check_endpoint"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "RECYCLE_BYTES", "aggregate_stats", "check_endpoint",
+           "recycle_buffers"]
 
 DEFAULT_TIMEOUT_S = 10.0
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
@@ -55,6 +56,27 @@ _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_
 _MONITOR_IDS = itertools.count()
 _NOT_ADDITIVE = frozenset({"epoch", "page_tokens", "sink_tokens", "window_tokens", "server_uptime_s",
                            "server_queue_peak", "topology_epoch"})
+
+
+RECYCLE_BYTES = 1 << 30  # recycle_buffers' default: the free heap a client process keeps for its next replies
+
+
+def recycle_buffers(keep_bytes: int = RECYCLE_BYTES) -> bool:
+    """Opt in, for the whole process, to receive buffers that are reused warm instead of mapped fresh.
+
+    ZeroMQ receives every reply frame into a buffer it mallocs (an fp16 get's arrays are views of those
+    buffers). By default glibc maps a large buffer fresh and unmaps it when freed, and trims its heap once
+    enough is free at the top, so large gets pay a page fault per 4 KiB of every reply: 8 pipelined 32 MiB
+    gets spent about two thirds of the client's CPU there (BENCHMARKS.md, issue 19). After this call, frames up
+    to 32 MiB come from the heap and up to ``keep_bytes`` of freed heap stay mapped for the next replies: set it
+    above the reply bytes this process has in flight at once (8 x 32 MiB gets: more than 256 MiB), at the cost
+    of that much memory kept by the process after a burst. It also puts every thread on one malloc arena (the
+    thread that receives and the one that frees must share it). kvd never calls it for you: malloc is the
+    process's, and an inference engine may tune it differently. Returns False (and changes nothing) where
+    malloc is not glibc's; raises InvalidArgument for a size below 32 MiB."""
+    if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 32 << 20:
+        raise InvalidArgument(f"keep_bytes must be an integer of at least 32 MiB, got {keep_bytes!r}")
+    return tune_malloc(trim_threshold_bytes=keep_bytes)
 
 
 # tcp://host:port (host: a name, an IPv4 address or a [bracketed] IPv6 one), ipc://path, inproc://name

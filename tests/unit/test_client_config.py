@@ -250,3 +250,50 @@ def test_a_first_attempt_that_timed_out_is_not_resent_for_an_append_but_the_topo
     with pytest.raises(Timeout, match="no reply"):
         _drive(fake.core._plan_append("m", "s", keys, keys, None, None, None, first=first), fake.respond)
     assert [type(r) for _, r in fake.sent] == [p.TopologyRequest]
+
+
+_REUSE_PROBE = r"""
+import ctypes, ctypes.util, resource, sys
+import kvd.client
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "opt-in":
+    assert kvd.client.recycle_buffers(512 << 20)
+n, size = 16, 16 << 20  # 16 replies of 16 MiB in flight: 256 MiB, as 8 pipelined 32 MiB gets
+
+def burst() -> int:
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    bufs = [libc.malloc(size) for _ in range(n)]
+    for b in bufs:
+        ctypes.memset(b, 1, size)
+    for b in bufs:
+        libc.free(b)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+burst()
+print(burst())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="glibc malloc on Linux")
+@pytest.mark.parametrize("mode", ["default", "opt-in"])
+def test_recycle_buffers_keeps_large_reply_buffers_warm_and_only_when_asked(mode: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _REUSE_PROBE, mode], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pages = 16 * (16 << 20) // 4096
+    faults = int(out.stdout.split()[-1])
+    if mode == "opt-in":
+        assert faults < pages // 20  # the second burst reuses the first one's pages
+    else:
+        assert faults > pages // 2  # importing kvd.client changes nothing: fresh pages every burst
+
+
+def test_recycle_buffers_refuses_a_size_below_a_reply_frame() -> None:
+    from kvd.client import recycle_buffers
+
+    with pytest.raises(InvalidArgument, match="keep_bytes"):
+        recycle_buffers(1 << 20)
