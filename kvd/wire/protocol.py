@@ -20,9 +20,9 @@ the message classes (:mod:`kvd.wire.messages`), the constants, field checks and 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from functools import partial
 from typing import Any
 
 import msgpack
@@ -310,7 +310,14 @@ def open_message(frames: Any, limits: Limits, ctx: DecodeContext) -> tuple[dict[
     return header, views
 
 
-_packb = partial(msgpack.packb, use_bin_type=True)
+_packers = threading.local()  # a msgpack Packer per thread: packb builds one a call; a Packer is not thread-safe
+
+
+def _packb(obj: Any) -> bytes:
+    packer = getattr(_packers, "packer", None)
+    if packer is None:  # this thread's first message
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
+    return packer.pack(obj)  # type: ignore[no-any-return]  # resets itself when it raises, too
 
 
 # ---- encoding ------------------------------------------------------------------------------------------------
