@@ -41,6 +41,10 @@ __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "RECYCLE_BYTES", "aggregate_st
            "recycle_buffers"]
 
 DEFAULT_TIMEOUT_S = 10.0
+# Request frames under this size are copied into ZeroMQ's message, larger ones sent from the caller's memory:
+# a zero-copy send has a fixed cost (pyzmq hands the buffer back through its garbage-collector thread) that a
+# copy beats up to about 1 MiB (128-512 KiB frames: 20-40% less sender CPU copied; BENCHMARKS.md, issue 19).
+COPY_BELOW_BYTES = 1 << 20
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
 DEFAULT_WINDOW = 64  # requests in flight per *_many call; well under a shard's admission queue
 _BUSY_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
@@ -179,6 +183,7 @@ class _Conn:
 
 def _open_socket(ctx: Any, endpoint: str, curve: CurveConfig | None, limits: p.Limits) -> _Conn:
     sock = ctx.socket(zmq.DEALER)
+    sock.copy_threshold = COPY_BELOW_BYTES  # AsyncClient's send_multipart(copy=False) copies frames under it
     sock.setsockopt(zmq.LINGER, 0)  # close() must not wait for requests to a dead shard
     sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to live connections: a down shard fails fast
     sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_frame_bytes, limits.max_header_bytes))

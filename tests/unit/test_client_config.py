@@ -297,3 +297,25 @@ def test_recycle_buffers_refuses_a_size_below_a_reply_frame() -> None:
 
     with pytest.raises(InvalidArgument, match="keep_bytes"):
         recycle_buffers(1 << 20)
+
+
+def test_request_frames_under_the_copy_bound_are_copied_and_larger_ones_sent_from_the_callers_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmq
+
+    from kvd.client import sync
+    from kvd.client.core import COPY_BELOW_BYTES, _open_socket
+
+    sent: list[tuple[int, int, bool]] = []  # (bytes, flags, copied) of each part
+    monkeypatch.setattr(sync, "_zsend", lambda _s, data, flags, copy, _t: sent.append((len(data), flags, copy)))
+    frames = [b"h" * 40, bytes(COPY_BELOW_BYTES - 1), memoryview(bytes(COPY_BELOW_BYTES))]
+    sync._send_frames(None, frames, zmq.NOBLOCK)
+    more, noblock = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+    assert sent == [(40, noblock | more, True), (COPY_BELOW_BYTES - 1, more, True), (COPY_BELOW_BYTES, 0, False)]
+    ctx = zmq.Context()
+    try:
+        conn = _open_socket(ctx, "tcp://127.0.0.1:1", None, p.DEFAULT_LIMITS)
+        assert conn.sock.copy_threshold == COPY_BELOW_BYTES  # AsyncClient's send_multipart(copy=False) too
+        conn.close()
+    finally:
+        ctx.term()
