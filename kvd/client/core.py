@@ -268,14 +268,21 @@ def _append_chunks(keys: Any, values: Any, limits: p.Limits) -> list[tuple[Any, 
     return [(k[:, t:t + step], v[:, t:t + step]) for t in range(0, k.shape[1], step)]
 
 
+_SLOTS: dict[type, tuple[str, ...]] = {}  # a message class -> every slot of it and its bases
+
+
 def _replace(req: Any, **changes: Any) -> Any:
     """``req`` with ``changes`` (messages are frozen; their fields were validated already, the changes must be
     valid too)."""
-    clone = object.__new__(type(req))
-    for cls in type(req).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if name != "__weakref__":
-                object.__setattr__(clone, name, changes[name] if name in changes else getattr(req, name))
+    cls = type(req)
+    names = _SLOTS.get(cls)
+    if names is None:
+        names = _SLOTS[cls] = tuple(name for c in cls.__mro__ for name in getattr(c, "__slots__", ())
+                                    if name != "__weakref__")
+    clone = object.__new__(cls)
+    setattr_ = object.__setattr__
+    for name in names:
+        setattr_(clone, name, changes[name] if name in changes else getattr(req, name))
     return clone
 
 
