@@ -298,8 +298,8 @@ class Client(_Core):
         first = self._first(p.GetRequest(request_id=next(self._ids), namespace=namespace, seq_id=seq_id,
                                          start=start, end=end, layers=None if layers is None else tuple(layers),
                                          format=format), namespace, seq_id, timeout_s)
-        if first is not None and type(first.outcome) is p.GetReply:  # asked for fp16: a pages reply goes on
-            return first.outcome.keys, first.outcome.values
+        if first is not None and type(first.outcome) is p.GetReply and format == "fp16":  # else the plan says
+            return first.outcome.keys, first.outcome.values  # what is wrong (or assembles the pages)
         return self._drive(
             self._plan_get(namespace, seq_id, start, end, layers, format, timeout_s, first))
 
