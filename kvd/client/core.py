@@ -43,7 +43,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "RECYCLE_BYTES", "aggregate_st
 DEFAULT_TIMEOUT_S = 10.0
 # Request frames under this size are copied into ZeroMQ's message, larger ones sent from the caller's memory:
 # a zero-copy send has a fixed cost (pyzmq hands the buffer back through its garbage-collector thread) that a
-# copy beats up to about 1 MiB (128-512 KiB frames: 20-40% less sender CPU copied; BENCHMARKS.md, issue 19).
+# copy beats up to about 1 MiB (64-512 KiB frames: 10-45% less sender CPU copied; BENCHMARKS.md, issue 19).
 COPY_BELOW_BYTES = 1 << 20
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
 DEFAULT_WINDOW = 64  # requests in flight per *_many call; well under a shard's admission queue
