@@ -5,6 +5,8 @@ and Mooncake Store (issues 4 and 19).
     python bench/wire.py --quick    # smoke run
     python bench/wire.py --no-redis --no-lmcache --no-mooncake   # kvd and raw pyzmq only
     python bench/wire.py --frames   # only what the number of frames costs (raw pyzmq, same bytes)
+    python bench/wire.py --codec    # only the sans-IO codec's calls for small gets and appends, tight loops
+    python bench/wire.py --copy     # only what one frame costs sent copied vs zero-copy (raw pyzmq)
     python bench/wire.py --packed   # pages of a 32-layer 7B-class sequence: packed (1.1) vs a frame per page (1.0)
 
 For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in flight, median GB/s of payload:
@@ -38,7 +40,10 @@ started is reported and left out; the others still run. Every peer is started by
 
 Every process (servers and this one, which runs all the clients) recycles large buffers
 (kvd.wire.server.tune_malloc, what a ShardServer does by default): without it, fresh buffers cost a page
-fault per 4 KiB.
+fault per 4 KiB. This process opts in with kvd.client.recycle_buffers, keeping 1 GiB of freed heap: the 8
+pipelined 32 MiB replies (256 MiB) would otherwise reach the servers' 256 MiB trim threshold when they are freed
+and be mapped fresh again for the next batch (``--client-malloc server`` measures that, the setting of the
+servers).
 
 The layout is one layer of a 7B-class model (8 KV heads x 128 dims, 4 KiB of keys + values per token), so every
 payload is a whole number of tokens and pages have their real size (64 tokens: 128 KiB at fp16).
@@ -67,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from kvd.client import Client  # noqa: E402
+from kvd.client import Client, recycle_buffers  # noqa: E402
 from kvd.wire.server import tune_malloc  # noqa: E402
 
 SIZES = {"4 KiB": 4 << 10, "64 KiB": 64 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "32 MiB": 32 << 20}
@@ -595,8 +600,22 @@ def main() -> int:
                     help="only the cost of frames: raw pyzmq get of the same bytes in 1, 8, 64 and 640 frames")
     ap.add_argument("--packed", action="store_true",
                     help="only pages of a 32-layer sequence at q4: packed (protocol 1.1) vs one frame per page")
+    ap.add_argument("--codec", action="store_true", help="only the sans-IO codec's calls, in tight loops")
+    ap.add_argument("--copy", action="store_true",
+                    help="only what sending one frame costs copied vs zero-copy (raw pyzmq, 64 KiB to 8 MiB)")
+    ap.add_argument("--client-malloc", choices=("recycle", "server"), default="recycle",
+                    help="this process's malloc: kvd.client.recycle_buffers (1 GiB kept, the default) or the "
+                         "servers' tune_malloc (256 MiB)")
     args = ap.parse_args()
-    tune_malloc()  # the clients (raw, kvd, redis) run in this process: one allocator setting for all
+    # the clients (raw, kvd, redis) run in this process: one allocator setting for all
+    if args.client_malloc == "recycle":
+        recycle_buffers(1 << 30)
+    else:
+        tune_malloc()
+    if args.codec:
+        return codec_only(3 if args.quick else 7)
+    if args.copy:
+        return copy_only(3 if args.quick else 7, 100 if args.quick else 300)
     if args.frames:
         return frames_only(0.4 if args.quick else 2.5)
     if args.packed:
@@ -683,6 +702,96 @@ def frames_only(budget: float) -> int:
     print("|---|---|---|---|")
     for n in FRAME_COUNTS:
         print(f"| {n} | {FRAMES_TOTAL // n} | {res[n] * 1e6:.0f} | {FRAMES_TOTAL / res[n] / 1e9:.2f} |")
+    return 0
+
+
+def codec_only(rounds: int = 7, calls: int = 2000) -> int:
+    """The sans-IO codec alone, in tight loops (no sockets): what building, encoding and decoding the small
+    messages of a 16-token get and append cost (the client's calls and the server's), median us per call."""
+    from kvd.wire import protocol as p
+
+    k, v = kv(16)
+    greq = p.GetRequest(request_id=5, namespace=NS, seq_id="read")
+    areq = p.AppendRequest(request_id=6, namespace=NS, seq_id="write3", keys=k, values=v, incarnation="0123abcd")
+    gframes = [bytes(f) for f in p.encode_request(greq)]
+    aframes = [bytes(f) for f in p.encode_request(areq)]
+    grep = p.GetReply(request_id=5, start=0, end=16, layers=(0,), keys=k, values=v)
+    grep_frames = [bytes(f) for f in p.encode_reply(grep)]
+    arep_frames = [bytes(f) for f in p.encode_reply(p.AppendReply(request_id=6, length=32))]
+    cases: dict[str, Callable[[], Any]] = {
+        "GetRequest(...)": lambda: p.GetRequest(request_id=5, namespace=NS, seq_id="read"),
+        "AppendRequest(...)": lambda: p.AppendRequest(request_id=6, namespace=NS, seq_id="w", keys=k, values=v),
+        "encode_request(get)": lambda: p.encode_request(greq, p.DEFAULT_LIMITS),
+        "encode_request(append)": lambda: p.encode_request(areq, p.DEFAULT_LIMITS),
+        "parse_request(get) (server)": lambda: p.parse_request(gframes),
+        "parse_request(append) (server)": lambda: p.parse_request(aframes),
+        "encode_reply(get) (server)": lambda: p.encode_reply(grep, p.DEFAULT_LIMITS),
+        "decode_reply(get)": lambda: p.decode_reply(grep_frames),
+        "decode_reply(append)": lambda: p.decode_reply(arep_frames),
+    }
+    print("\nthe codec alone, 16 tokens of 8 x 128 fp16 (median us per call)")
+    print("| call | us |")
+    print("|---|---|")
+    for name, fn in cases.items():
+        runs = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            runs.append((time.perf_counter() - t0) / calls * 1e6)
+        print(f"| {name} | {statistics.median(runs):.2f} |")
+    return 0
+
+
+COPY_SIZES_KIB = (64, 128, 256, 512, 1024, 2048, 8192)
+
+
+def copy_only(rounds: int = 7, n: int = 300) -> int:
+    """One frame sent to the raw server (a put: it keeps the frame and acks), copied into ZeroMQ's message or
+    sent zero-copy; this process's CPU per message (every thread: Python, ZeroMQ's I/O, pyzmq's garbage
+    collector, which hands zero-copy buffers back) and the median wall per put, alternating rounds."""
+    import zmq.backend
+
+    send = zmq.backend.Socket.send
+    proc, endpoint, pipe = start(raw_server)
+    try:
+        raw = Raw(endpoint)
+        sock = raw.sock
+        bufs = {kib: memoryview(np.ones(kib << 10, np.uint8)) for kib in COPY_SIZES_KIB}
+        more = int(zmq.SNDMORE)
+
+        def put(kib: int, copy: bool) -> None:
+            send(sock, b"P", more, True, False)
+            send(sock, b"c", more, True, False)
+            send(sock, bufs[kib], 0, copy, False)
+            sock.recv()
+
+        res: dict[tuple[int, bool], tuple[list[float], list[float]]] = {
+            (kib, copy): ([], []) for kib in COPY_SIZES_KIB for copy in (True, False)}
+        for (kib, copy) in res:
+            for _ in range(50):
+                put(kib, copy)
+        for _ in range(rounds):
+            for (kib, copy), (cpu, wall) in res.items():
+                c0, ts = time.process_time(), []
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    put(kib, copy)
+                    ts.append(time.perf_counter() - t0)
+                cpu.append((time.process_time() - c0) / n * 1e6)
+                wall.append(statistics.median(ts) * 1e6)
+    finally:
+        pipe.send("stop")
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+    print("\none frame put to the raw server: copied vs zero-copy (medians; CPU: this process, every thread)")
+    print("| frame | copy, CPU us | zero-copy, CPU us | copy, wall us | zero-copy, wall us |")
+    print("|---|---|---|---|---|")
+    for kib in COPY_SIZES_KIB:
+        (cc, cw), (zc, zw) = ((statistics.median(res[kib, c][0]), statistics.median(res[kib, c][1]))
+                              for c in (True, False))
+        print(f"| {kib} KiB | {cc:.0f} | {zc:.0f} | {cw:.0f} | {zw:.0f} |")
     return 0
 
 

@@ -5,6 +5,7 @@ both clients behave alike; only the waiting differs.
 """
 
 from kvd.client.aio import AsyncClient
+from kvd.client.core import recycle_buffers
 from kvd.client.sync import Client, Pending, aggregate_stats
 
-__all__ = ["AsyncClient", "Client", "Pending", "aggregate_stats"]
+__all__ = ["AsyncClient", "Client", "Pending", "aggregate_stats", "recycle_buffers"]

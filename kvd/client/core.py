@@ -33,13 +33,18 @@ from kvd.errors import (
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
 from kvd.wire.routing import Topology
-from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S
+from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, tune_malloc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "aggregate_stats", "check_endpoint"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "RECYCLE_BYTES", "aggregate_stats", "check_endpoint",
+           "recycle_buffers"]
 
 DEFAULT_TIMEOUT_S = 10.0
+# Request frames under this size are copied into ZeroMQ's message, larger ones sent from the caller's memory:
+# a zero-copy send has a fixed cost (pyzmq hands the buffer back through its garbage-collector thread) that a
+# copy beats up to about 1 MiB (64-512 KiB frames: 10-45% less sender CPU copied; BENCHMARKS.md, issue 19).
+COPY_BELOW_BYTES = 1 << 20
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
 DEFAULT_WINDOW = 64  # requests in flight per *_many call; well under a shard's admission queue
 _BUSY_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
@@ -55,6 +60,27 @@ _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_
 _MONITOR_IDS = itertools.count()
 _NOT_ADDITIVE = frozenset({"epoch", "page_tokens", "sink_tokens", "window_tokens", "server_uptime_s",
                            "server_queue_peak", "topology_epoch"})
+
+
+RECYCLE_BYTES = 1 << 30  # recycle_buffers' default: the free heap a client process keeps for its next replies
+
+
+def recycle_buffers(keep_bytes: int = RECYCLE_BYTES) -> bool:
+    """Opt in, for the whole process, to receive buffers that are reused warm instead of mapped fresh.
+
+    ZeroMQ receives every reply frame into a buffer it mallocs (an fp16 get's arrays are views of those
+    buffers). By default glibc maps a large buffer fresh and unmaps it when freed, and trims its heap once
+    enough is free at the top, so large gets pay a page fault per 4 KiB of every reply: 8 pipelined 32 MiB
+    gets spent about two thirds of the client's CPU there (BENCHMARKS.md, issue 19). After this call, frames up
+    to 32 MiB come from the heap and up to ``keep_bytes`` of freed heap stay mapped for the next replies: set it
+    above the reply bytes this process has in flight at once (8 x 32 MiB gets: more than 256 MiB), at the cost
+    of that much memory kept by the process after a burst. It also puts every thread on one malloc arena (the
+    thread that receives and the one that frees must share it). kvd never calls it for you: malloc is the
+    process's, and an inference engine may tune it differently. Returns False (and changes nothing) where
+    malloc is not glibc's; raises InvalidArgument for a size below 32 MiB."""
+    if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 32 << 20:
+        raise InvalidArgument(f"keep_bytes must be an integer of at least 32 MiB, got {keep_bytes!r}")
+    return tune_malloc(trim_threshold_bytes=keep_bytes)
 
 
 # tcp://host:port (host: a name, an IPv4 address or a [bracketed] IPv6 one), ipc://path, inproc://name
@@ -157,6 +183,7 @@ class _Conn:
 
 def _open_socket(ctx: Any, endpoint: str, curve: CurveConfig | None, limits: p.Limits) -> _Conn:
     sock = ctx.socket(zmq.DEALER)
+    sock.copy_threshold = COPY_BELOW_BYTES  # AsyncClient's send_multipart(copy=False) copies frames under it
     sock.setsockopt(zmq.LINGER, 0)  # close() must not wait for requests to a dead shard
     sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to live connections: a down shard fails fast
     sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_frame_bytes, limits.max_header_bytes))
@@ -241,14 +268,21 @@ def _append_chunks(keys: Any, values: Any, limits: p.Limits) -> list[tuple[Any, 
     return [(k[:, t:t + step], v[:, t:t + step]) for t in range(0, k.shape[1], step)]
 
 
+_SLOTS: dict[type, tuple[str, ...]] = {}  # a message class -> every slot of it and its bases
+
+
 def _replace(req: Any, **changes: Any) -> Any:
     """``req`` with ``changes`` (messages are frozen; their fields were validated already, the changes must be
     valid too)."""
-    clone = object.__new__(type(req))
-    for cls in type(req).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if name != "__weakref__":
-                object.__setattr__(clone, name, changes[name] if name in changes else getattr(req, name))
+    cls = type(req)
+    names = _SLOTS.get(cls)
+    if names is None:
+        names = _SLOTS[cls] = tuple(name for c in cls.__mro__ for name in getattr(c, "__slots__", ())
+                                    if name != "__weakref__")
+    clone = object.__new__(cls)
+    setattr_ = object.__setattr__
+    for name in names:
+        setattr_(clone, name, changes[name] if name in changes else getattr(req, name))
     return clone
 
 
@@ -270,6 +304,17 @@ def _on_wire(conn: _Conn, req: Any) -> Any:
     if conn.incarnation is not None and type(req) is p.AppendRequest and req.incarnation is None:
         req = _replace(req, incarnation=conn.incarnation)
     return req
+
+
+class First:
+    """The first attempt of a routed request, made by a client's fast path without the plan machinery (the
+    connection was open and greeted): the request as sent, its connection and deadline, and its ``outcome``,
+    the reply or the kvd error that sending or waiting raised. :meth:`_Core._g_routed` goes on from it."""
+
+    __slots__ = ("conn", "req", "deadline", "outcome")
+
+    def __init__(self, conn: _Conn, req: Any, deadline: float, outcome: Any) -> None:
+        self.conn, self.req, self.deadline, self.outcome = conn, req, deadline, outcome
 
 
 def _is_busy(reply: Any) -> bool:
@@ -373,12 +418,14 @@ class _Core:
 
     # -------------------------------------------------------------------------------------------- plans
 
-    def _g_roundtrip(self, conn: _Conn, req: Any, deadline: float, timeout_s: float) -> Plan:
-        """Send and wait; ``Busy`` is retried with backoff until the deadline (a Busy request was not run)."""
+    def _g_roundtrip(self, conn: _Conn, req: Any, deadline: float, timeout_s: float, reply: Any = None) -> Plan:
+        """Send and wait; ``Busy`` is retried with backoff until the deadline (a Busy request was not run).
+        ``reply``: the reply to ``req``, already sent and received (a client's first attempt, :class:`First`)."""
         backoffs = iter(_BUSY_BACKOFF_S)
         while True:
-            yield ("send", conn, req, deadline)
-            reply = yield ("wait", conn, req, deadline, timeout_s)
+            if reply is None:
+                yield ("send", conn, req, deadline)
+                reply = yield ("wait", conn, req, deadline, timeout_s)
             if not _is_busy(reply):
                 return reply
             backoff = next(backoffs, _BUSY_BACKOFF_S[-1])
@@ -386,6 +433,7 @@ class _Core:
                 return reply
             yield ("sleep", backoff)
             req = _renumber(req, next(self._ids))
+            reply = None
 
     def _g_hello_reply(self, conn: _Conn, deadline: float) -> Plan:
         """The hello reply of ``conn``'s server, asking for its incarnation (protocol 1.3); a server older
@@ -458,21 +506,35 @@ class _Core:
                                                                         self.timeout_s))))
         return self.topology()
 
-    def _g_routed(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Plan:
+    def _g_routed(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None,
+                  first: First | None = None) -> Plan:
         """One request to the owner of ``(namespace, seq_id)``. On ShardUnavailable or Timeout, the topology is
         read again once and an idempotent request retried. On WrongShard (protocol 1.3) the request was not
-        executed: see :meth:`_g_moved`, then it is resent, within the call's timeout."""
-        deadline, tmo = self._deadline(timeout_s), self._tmo(timeout_s)
-        req = self._bind(make(next(self._ids)))
+        executed: see :meth:`_g_moved`, then it is resent, within the call's timeout. ``first``: the first
+        attempt, already made by the client's fast path (:class:`First`); the plan goes on from its outcome
+        exactly as if it had made that attempt itself."""
+        tmo = self._tmo(timeout_s)
+        if first is None:
+            deadline = self._deadline(timeout_s)
+            req = self._bind(make(next(self._ids)))
+        else:
+            deadline, req = first.deadline, first.req
         refreshed = False
         backoffs = iter(_ROUTE_BACKOFF_S)
         while True:
             conn: _Conn | None = None
             try:
-                conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
-                if type(req) is p.AppendRequest:
-                    req = _on_wire(conn, req)  # the incarnation it is meant for is fixed before it is sent
-                value = _value(req, (yield from self._g_roundtrip(conn, req, deadline, tmo)))
+                if first is not None:
+                    conn, outcome, first = first.conn, first.outcome, None
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    reply = yield from self._g_roundtrip(conn, req, deadline, tmo, outcome)
+                else:
+                    conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
+                    if type(req) is p.AppendRequest:
+                        req = _on_wire(conn, req)  # the incarnation it is meant for is fixed before it is sent
+                    reply = yield from self._g_roundtrip(conn, req, deadline, tmo)
+                value = _value(req, reply)
                 if type(req) in (p.AppendRequest, p.DropRequest):
                     self._remember(req, conn)
                 return value
@@ -566,9 +628,12 @@ class _Core:
             raise errors[0]
 
     def _plan_append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, offset: int | None,
-                     dtype: str | None, timeout_s: float | None, position: int | None = None) -> Plan:
-        first = self._topo.owner(namespace, seq_id)
-        conn = yield from self._g_conn(first, self._deadline(timeout_s))
+                     dtype: str | None, timeout_s: float | None, position: int | None = None,
+                     first: First | None = None) -> Plan:
+        if first is not None:  # a fast path's attempt: a whole append in one message
+            return (yield from self._g_routed(None, namespace, seq_id, timeout_s, first))
+        owner = self._topo.owner(namespace, seq_id)
+        conn = yield from self._g_conn(owner, self._deadline(timeout_s))
         chunks = _append_chunks(keys, values, conn.limits)
         length = offset
         for i, (k, v) in enumerate(chunks):
@@ -585,12 +650,13 @@ class _Core:
         return length
 
     def _plan_get(self, namespace: str, seq_id: p.SeqId, start: int, end: int | None,
-                  layers: Sequence[int] | None, fmt: str, timeout_s: float | None) -> Plan:
+                  layers: Sequence[int] | None, fmt: str, timeout_s: float | None, first: First | None = None
+                  ) -> Plan:
         def make(rid: int) -> p.GetRequest:
             return p.GetRequest(request_id=rid, namespace=namespace, seq_id=seq_id, start=start, end=end,
                                 layers=None if layers is None else tuple(layers), format=fmt)
         try:
-            return (yield from self._g_routed(make, namespace, seq_id, timeout_s))
+            return (yield from self._g_routed(make, namespace, seq_id, timeout_s, first))
         except MessageTooLarge:
             stop = end
             if stop is None:
@@ -677,8 +743,9 @@ class _Core:
             out[shard["id"]] = time.perf_counter() - t0
         return out
 
-    def _plan_simple(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Plan:
-        return (yield from self._g_routed(make, namespace, seq_id, timeout_s))
+    def _plan_simple(self, make: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None,
+                     first: First | None = None) -> Plan:
+        return (yield from self._g_routed(make, namespace, seq_id, timeout_s, first))
 
     def _all_conns(self) -> list[_Conn]:
         return [c for c in self._opened if not c.closed]

@@ -32,10 +32,11 @@ connection's. A shard that restarted, even on its old port, refuses it; an appen
 raises ShardUnavailable instead of continuing the sequence in the middle on the empty successor.
 
 *Zero copy.* Arrays (numpy, buffer protocol, DLPack such as CPU torch tensors) are sent from their own memory
-(frames of 64 KiB and more are not copied: do not modify an array until its call returned or its Pending
-completed). fp16 ``get`` results are read-only numpy views of the received frames; ``format="pages"`` results
-are decoded on the client (:func:`kvd.pages.assemble`) into new arrays. Pages travel packed, a few frames per
-reply, from every shard whose ``hello`` reports protocol 1.1 or later, and one frame per page otherwise.
+(frames of 1 MiB and more are not copied: do not modify an array until its call returned or its Pending
+completed; smaller frames are copied, which costs less than a zero-copy send there). fp16 ``get`` results are
+read-only numpy views of the received frames; ``format="pages"`` results are decoded on the client
+(:func:`kvd.pages.assemble`) into new arrays. Pages travel packed, a few frames per reply, from every shard
+whose ``hello`` reports protocol 1.1 or later, and one frame per page otherwise.
 
 Neither client is thread-safe: use one per thread (or per event loop).
 """
@@ -55,8 +56,10 @@ import zmq.backend
 from kvd.client.aio import AsyncClient  # re-exported: kvd.client is where callers import it from
 from kvd.client.core import (
     CONNECT_GRACE_S,
+    COPY_BELOW_BYTES,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
+    First,
     Plan,
     _append_chunks,  # noqa: F401 - re-exported for the tests
     _Conn,
@@ -69,14 +72,27 @@ from kvd.client.core import (
 from kvd.errors import InvalidArgument, KvdError, WrongShard
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
-from kvd.wire.sockets import recv_frames, send_frames
+from kvd.wire.sockets import recv_frames
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncClient", "Client", "Pending", "aggregate_stats"]
 
 _RCVTIMEO, _NOBLOCK, _POLLIN, _EVENTS = int(zmq.RCVTIMEO), int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.EVENTS)
+_SNDMORE = int(zmq.SNDMORE)
 _get = zmq.backend.Socket.get  # the backend's getsockopt: no enum wrapping on the hot path
+_zsend = zmq.backend.Socket.send  # (socket, data, flags, copy, track)
+
+
+def _send_frames(sock: Any, frames: list[Any], first_flags: int) -> None:
+    """Send ``frames`` as one message; ``first_flags`` (NOBLOCK) apply to the first part, which raises zmq.Again
+    before anything is sent. Frames under COPY_BELOW_BYTES are copied into ZeroMQ's message, larger ones sent
+    from the caller's memory."""
+    last = len(frames) - 1
+    for i in range(last + 1):
+        f = frames[i]
+        _zsend(sock, f, (first_flags if i == 0 else 0) | (_SNDMORE if i < last else 0), len(f) < COPY_BELOW_BYTES,
+               False)
 
 
 # ------------------------------------------------------------------------------------------------ sync
@@ -170,12 +186,12 @@ class Client(_Core):
         frames = p.encode_request(_on_wire(conn, req), conn.limits)
         sock = conn.sock
         try:
-            send_frames(sock, frames, _NOBLOCK)
+            _send_frames(sock, frames, _NOBLOCK)
         except zmq.Again:  # not connected (ZMQ_IMMEDIATE) or SNDHWM: wait a little for the pipe
             grace = min(deadline, time.monotonic() + CONNECT_GRACE_S) - time.monotonic()
             if grace <= 0 or not sock.poll(grace * 1000, zmq.POLLOUT):
                 raise self._unavailable(conn, req.OP, deadline, self.timeout_s) from None
-            send_frames(sock, frames, _NOBLOCK)
+            _send_frames(sock, frames, _NOBLOCK)
         conn.waiting[req.request_id] = None
 
     def _pump(self, conn: _Conn, wait_s: float) -> None:
@@ -218,6 +234,30 @@ class Client(_Core):
             self._pump(conn, remaining)
         return replies.pop(rid)
 
+    def _first(self, req: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None,
+               tensor_bytes: int = 0) -> First | None:
+        """The fast path of a routed call: its first attempt made directly (no plan, no generators) when the
+        owner's connection is open and greeted, else None (nothing was sent: the plan makes every attempt).
+        The outcome (a reply, or the kvd error of the send or the wait) goes back to the plan unless it is the
+        plain success the caller reads itself; the plan then does exactly what it would have done."""
+        shard = self._topo.owner(namespace, seq_id)
+        conn = self._conns.get(shard["endpoint"])
+        if conn is None or conn.shard_id != shard["id"]:
+            return None
+        if tensor_bytes:  # an append: only one that fits one message (else the plan splits it along T)
+            lim = conn.limits
+            if tensor_bytes > min(lim.max_frame_bytes, (lim.max_message_bytes - lim.max_header_bytes) // 2):
+                return None
+        deadline = self._deadline(timeout_s)
+        if type(req) is p.AppendRequest:
+            req = _on_wire(conn, self._bind(req))  # the incarnation it is meant for is fixed before it is sent
+        try:
+            self._send(conn, req, deadline)
+            outcome = self._wait(conn, req, deadline, self.timeout_s if timeout_s is None else timeout_s)
+        except KvdError as exc:
+            outcome = exc
+        return First(conn, req, deadline, outcome)
+
     # -------------------------------------------------------------------------------------------- the API
 
     def refresh(self, *, timeout_s: float | None = None) -> dict[str, Any]:
@@ -238,8 +278,16 @@ class Client(_Core):
         tokens before it stay stored (the error says how many). ``position``: where the sequence's token 0 sits
         in its prompt (default 0; see :meth:`kvd.store.Store.append`): a prompt stored as one sequence per block
         passes each block's first token index, so only the prompt's first block keeps the sink page."""
+        first = None
+        if type(keys) is np.ndarray:  # other array types: the plan views them (and splits them) once
+            first = self._first(p.AppendRequest(request_id=next(self._ids), namespace=namespace, seq_id=seq_id,
+                                                keys=keys, values=values, offset=offset, dtype=dtype,
+                                                position=position), namespace, seq_id, timeout_s, keys.nbytes or 1)
+            if first is not None and type(first.outcome) is p.AppendReply:
+                self._remember(first.req, first.conn)
+                return first.outcome.length
         return self._drive(
-            self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s, position))
+            self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s, position, first))
 
     def get(self, namespace: str, seq_id: p.SeqId, start: int = 0, end: int | None = None,
             layers: Sequence[int] | None = None, *, format: str = "fp16",  # noqa: A002 - the protocol's name
@@ -247,8 +295,13 @@ class Client(_Core):
         """Tokens ``[start, end)`` of ``layers`` as float16 ``(keys, values)`` ``[L', T', H, D]`` (Store.get).
         ``format="pages"`` fetches the stored pages and decodes them here (fewer bytes on the wire). A range
         too large for one reply is fetched in parts."""
+        first = self._first(p.GetRequest(request_id=next(self._ids), namespace=namespace, seq_id=seq_id,
+                                         start=start, end=end, layers=None if layers is None else tuple(layers),
+                                         format=format), namespace, seq_id, timeout_s)
+        if first is not None and type(first.outcome) is p.GetReply and format == "fp16":  # else the plan says
+            return first.outcome.keys, first.outcome.values  # what is wrong (or assembles the pages)
         return self._drive(
-            self._plan_get(namespace, seq_id, start, end, layers, format, timeout_s))
+            self._plan_get(namespace, seq_id, start, end, layers, format, timeout_s, first))
 
     def drop(self, namespace: str, seq_id: p.SeqId, *, timeout_s: float | None = None) -> bool:
         """Forget a sequence; False if there was none (Store.drop). Not retried."""
@@ -258,9 +311,13 @@ class Client(_Core):
 
     def length(self, namespace: str, seq_id: p.SeqId, *, timeout_s: float | None = None) -> int:
         """Tokens stored for the sequence (Store.length)."""
+        first = self._first(p.LengthRequest(request_id=next(self._ids), namespace=namespace, seq_id=seq_id),
+                            namespace, seq_id, timeout_s)
+        if first is not None and type(first.outcome) is p.LengthReply:
+            return first.outcome.length
         return self._drive(self._plan_simple(
             lambda rid: p.LengthRequest(request_id=rid, namespace=namespace, seq_id=seq_id), namespace, seq_id,
-            timeout_s))
+            timeout_s, first))
 
     def lengths(self, namespace: str, seq_ids: Sequence[p.SeqId], *,
                 timeout_s: float | None = None) -> list[int | None]:
@@ -293,7 +350,10 @@ class Client(_Core):
 
     def _submit(self, req: Any, namespace: str, seq_id: p.SeqId, timeout_s: float | None) -> Pending:
         deadline = self._deadline(timeout_s)
-        conn = self._drive(self._g_conn(self._topo.owner(namespace, seq_id), deadline))
+        shard = self._topo.owner(namespace, seq_id)
+        conn = self._conns.get(shard["endpoint"])
+        if conn is None or conn.shard_id != shard["id"]:  # not open, or not greeted as this shard yet
+            conn = self._drive(self._g_conn(shard, deadline))
         req = _on_wire(conn, self._bind(req))  # an append names the incarnation it is meant for
         self._send(conn, req, deadline)
         return Pending(self, conn, req, deadline, self._tmo(timeout_s))

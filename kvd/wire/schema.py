@@ -170,8 +170,10 @@ def check_layers(name: str, value: Any, exc: type[KvdError], *, optional: bool =
     if value is None and optional:
         return None
     items = tuple(check_array(name, value, exc))
-    if not all(plain_int(v, MAX_INDEX) for v in items):
-        items = tuple(check_index(f"{name}[{i}]", v, exc) for i, v in enumerate(items))
+    for v in items:  # the common case, plain ints in range, without a call per item
+        if type(v) is not int or not 0 <= v <= MAX_INDEX:
+            items = tuple(check_index(f"{name}[{i}]", v, exc) for i, v in enumerate(items))
+            break
     if not items:
         raise InvalidArgument(f"{name} must be nil or a non-empty array of layer indices, got []")
     if len(set(items)) != len(items):
@@ -307,7 +309,11 @@ def wire_array(arr: np.ndarray) -> np.ndarray:
 
 
 def tensor_frame(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+    """The bytes of a C-contiguous array as a 1-D byte memoryview (no copy)."""
+    try:  # float16 / float32: a third of the cost of the view below
+        return memoryview(arr).cast("B")
+    except (TypeError, ValueError):  # no buffer format (bfloat16), zero-size or not contiguous
+        return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def byte_view(frame: Any, what: str) -> memoryview:

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvd.client.core import _check_hello, _Conn, _Core, _on_wire
+from kvd.client.core import First, _check_hello, _Conn, _Core, _on_wire
 from kvd.client.sync import _append_chunks, aggregate_stats
-from kvd.errors import ConfigError, InvalidArgument, ShardUnavailable
+from kvd.errors import Busy, ConfigError, InvalidArgument, ShardUnavailable, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.routing import Topology, owner
 from kvd.wire.server import CurveConfig, keygen
@@ -197,3 +197,125 @@ def test_a_refused_append_goes_to_the_owner_the_refreshed_topology_names_with_th
     assert _drive(fake.core._plan_append("m", seq, keys, keys, None, None, None), fake.respond) == 2
     fake.incarnations["shard-2"] = "inc-shard-2-c"
     assert _drive(fake.core._plan_append("m", seq, keys, keys, 2, None, None), fake.respond) == 2
+
+
+def _first_attempt(fake: _FakeCluster, shard_id: str, seq: str, keys: Any, outcome: Any = None) -> First:
+    """What Client's fast path hands the plan: the append as sent on the greeted connection, and its outcome
+    (the fake shard's reply unless given)."""
+    deadline = fake.core._deadline(None)
+    conn = _drive(fake.core._g_conn(fake.shard(shard_id), deadline), fake.respond)
+    req = _on_wire(conn, p.AppendRequest(request_id=next(fake.core._ids), namespace="m", seq_id=seq, keys=keys,
+                                         values=keys))
+    if outcome is None:
+        outcome = fake.respond(("wait", conn, req, deadline, 5.0))
+    fake.sent.clear()
+    return First(conn, req, deadline, outcome)
+
+
+def test_a_first_attempt_refused_with_wrong_shard_goes_on_as_the_plan_would() -> None:
+    fake = _FakeCluster(["shard-0", "shard-1"])  # a stale topology: shard-2 is missing
+    seq = next(f"s{i}" for i in range(1000) if owner(fake.ids, "m", f"s{i}") == 2)
+    stale = fake.core._topo.owner("m", seq)["id"]
+    keys = np.zeros((1, 2, 1, 4), np.float16)
+    first = _first_attempt(fake, stale, seq, keys)
+    assert isinstance(first.outcome, p.ErrorReply) and first.outcome.code == 19
+    assert _drive(fake.core._plan_append("m", seq, keys, keys, None, None, None, first=first), fake.respond) == 2
+    appends = [(endpoint, req) for endpoint, req in fake.sent if isinstance(req, p.AppendRequest)]
+    assert appends == [("tcp://shard-2:1", appends[0][1])] and appends[0][1].incarnation == "inc-shard-2"
+    assert appends[0][1].request_id != first.req.request_id  # resent under a new id, once, to the owner
+    assert sum(isinstance(r, p.TopologyRequest) for _, r in fake.sent) == 1
+
+
+def test_a_first_attempt_answered_busy_is_retried_after_a_pause() -> None:
+    fake = _FakeCluster(["shard-0", "shard-1", "shard-2"])
+    keys = np.zeros((1, 2, 1, 4), np.float16)
+    sid = fake.core._topo.owner("m", "s").get("id")
+    first = _first_attempt(fake, sid, "s", keys, p.ErrorReply(request_id=0, code=Busy.code, error="Busy",
+                                                               message="queue full"))
+    actions: list[str] = []
+
+    def respond(action: tuple[Any, ...]) -> Any:
+        actions.append(action[0])
+        return fake.respond(action)
+
+    assert _drive(fake.core._plan_append("m", "s", keys, keys, None, None, None, first=first), respond) == 2
+    assert actions == ["sleep", "send", "wait"]
+
+
+def test_a_first_attempt_that_timed_out_is_not_resent_for_an_append_but_the_topology_is_read_again() -> None:
+    fake = _FakeCluster(["shard-0", "shard-1", "shard-2"])
+    keys = np.zeros((1, 2, 1, 4), np.float16)
+    sid = fake.core._topo.owner("m", "s")["id"]
+    first = _first_attempt(fake, sid, "s", keys, Timeout("no reply"))
+    with pytest.raises(Timeout, match="no reply"):
+        _drive(fake.core._plan_append("m", "s", keys, keys, None, None, None, first=first), fake.respond)
+    assert [type(r) for _, r in fake.sent] == [p.TopologyRequest]
+
+
+_REUSE_PROBE = r"""
+import ctypes, ctypes.util, resource, sys
+import kvd.client
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "opt-in":
+    assert kvd.client.recycle_buffers(512 << 20)
+n, size = 16, 16 << 20  # 16 replies of 16 MiB in flight: 256 MiB, as 8 pipelined 32 MiB gets
+
+def burst() -> int:
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    bufs = [libc.malloc(size) for _ in range(n)]
+    for b in bufs:
+        ctypes.memset(b, 1, size)
+    for b in bufs:
+        libc.free(b)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+burst()
+print(burst())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="glibc malloc on Linux")
+@pytest.mark.parametrize("mode", ["default", "opt-in"])
+def test_recycle_buffers_keeps_large_reply_buffers_warm_and_only_when_asked(mode: str) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _REUSE_PROBE, mode], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    pages = 16 * (16 << 20) // 4096
+    faults = int(out.stdout.split()[-1])
+    if mode == "opt-in":
+        assert faults < pages // 20  # the second burst reuses the first one's pages
+    else:
+        assert faults > pages // 2  # importing kvd.client changes nothing: fresh pages every burst
+
+
+def test_recycle_buffers_refuses_a_size_below_a_reply_frame() -> None:
+    from kvd.client import recycle_buffers
+
+    with pytest.raises(InvalidArgument, match="keep_bytes"):
+        recycle_buffers(1 << 20)
+
+
+def test_request_frames_under_the_copy_bound_are_copied_and_larger_ones_sent_from_the_callers_memory(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import zmq
+
+    from kvd.client import sync
+    from kvd.client.core import COPY_BELOW_BYTES, _open_socket
+
+    sent: list[tuple[int, int, bool]] = []  # (bytes, flags, copied) of each part
+    monkeypatch.setattr(sync, "_zsend", lambda _s, data, flags, copy, _t: sent.append((len(data), flags, copy)))
+    frames = [b"h" * 40, bytes(COPY_BELOW_BYTES - 1), memoryview(bytes(COPY_BELOW_BYTES))]
+    sync._send_frames(None, frames, zmq.NOBLOCK)
+    more, noblock = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+    assert sent == [(40, noblock | more, True), (COPY_BELOW_BYTES - 1, more, True), (COPY_BELOW_BYTES, 0, False)]
+    ctx = zmq.Context()
+    try:
+        conn = _open_socket(ctx, "tcp://127.0.0.1:1", None, p.DEFAULT_LIMITS)
+        assert conn.sock.copy_threshold == COPY_BELOW_BYTES  # AsyncClient's send_multipart(copy=False) too
+        conn.close()
+    finally:
+        ctx.term()

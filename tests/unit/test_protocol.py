@@ -1114,3 +1114,30 @@ def test_lengths_requests_and_replies_are_bounded_and_checked() -> None:
     header["seq_ids"] = []
     reply = p.parse_request([msgpack.packb(header)])
     assert isinstance(reply, p.ErrorReply) and reply.request_id == 1
+
+
+def test_messages_encoded_from_many_threads_at_once_are_each_exact() -> None:
+    import threading
+
+    # the encoder keeps one msgpack packer per thread: concurrent encodes must never mix their bytes
+    keys = np.arange(2 * 3 * 2 * 4, dtype=np.float16).reshape(2, 3, 2, 4)
+    msgs = [p.AppendRequest(request_id=i, namespace=f"ns{i}", seq_id=f"s{i}" * (i % 7 + 1), keys=keys, values=keys)
+            for i in range(8)] + [p.LengthReply(request_id=i, length=i * 1000) for i in range(8)]
+    expected = [[bytes(f) for f in (p.encode_request(m) if type(m) is p.AppendRequest else p.encode_reply(m))]
+                for m in msgs]
+    bad: list[int] = []
+
+    def run(offset: int) -> None:
+        for n in range(400):
+            i = (n + offset) % len(msgs)
+            m = msgs[i]
+            got = p.encode_request(m) if type(m) is p.AppendRequest else p.encode_reply(m)
+            if [bytes(f) for f in got] != expected[i]:
+                bad.append(i)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
