@@ -33,7 +33,12 @@ from kvd.errors import (
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
 from kvd.wire.routing import Topology
-from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, tune_malloc
+from kvd.wire.sockets import (  # COPY_BELOW_BYTES: frames under it are copied when sent (kvd.wire.sockets)
+    COPY_BELOW_BYTES,
+    DEFAULT_HEARTBEAT_IVL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    tune_malloc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +46,6 @@ __all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "RECYCLE_BYTES", "aggregate_st
            "recycle_buffers"]
 
 DEFAULT_TIMEOUT_S = 10.0
-# Request frames under this size are copied into ZeroMQ's message, larger ones sent from the caller's memory:
-# a zero-copy send has a fixed cost (pyzmq hands the buffer back through its garbage-collector thread) that a
-# copy beats up to about 1 MiB (64-512 KiB frames: 10-45% less sender CPU copied; BENCHMARKS.md, issue 19).
-COPY_BELOW_BYTES = 1 << 20
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
 DEFAULT_WINDOW = 64  # requests in flight per *_many call; well under a shard's admission queue
 _BUSY_BACKOFF_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)

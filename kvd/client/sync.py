@@ -56,7 +56,6 @@ import zmq.backend
 from kvd.client.aio import AsyncClient  # re-exported: kvd.client is where callers import it from
 from kvd.client.core import (
     CONNECT_GRACE_S,
-    COPY_BELOW_BYTES,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WINDOW,
     First,
@@ -72,27 +71,14 @@ from kvd.client.core import (
 from kvd.errors import InvalidArgument, KvdError, WrongShard
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
-from kvd.wire.sockets import recv_frames
+from kvd.wire.sockets import recv_frames, send_frames
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncClient", "Client", "Pending", "aggregate_stats"]
 
 _RCVTIMEO, _NOBLOCK, _POLLIN, _EVENTS = int(zmq.RCVTIMEO), int(zmq.NOBLOCK), int(zmq.POLLIN), int(zmq.EVENTS)
-_SNDMORE = int(zmq.SNDMORE)
 _get = zmq.backend.Socket.get  # the backend's getsockopt: no enum wrapping on the hot path
-_zsend = zmq.backend.Socket.send  # (socket, data, flags, copy, track)
-
-
-def _send_frames(sock: Any, frames: list[Any], first_flags: int) -> None:
-    """Send ``frames`` as one message; ``first_flags`` (NOBLOCK) apply to the first part, which raises zmq.Again
-    before anything is sent. Frames under COPY_BELOW_BYTES are copied into ZeroMQ's message, larger ones sent
-    from the caller's memory."""
-    last = len(frames) - 1
-    for i in range(last + 1):
-        f = frames[i]
-        _zsend(sock, f, (first_flags if i == 0 else 0) | (_SNDMORE if i < last else 0), len(f) < COPY_BELOW_BYTES,
-               False)
 
 
 # ------------------------------------------------------------------------------------------------ sync
@@ -186,12 +172,12 @@ class Client(_Core):
         frames = p.encode_request(_on_wire(conn, req), conn.limits)
         sock = conn.sock
         try:
-            _send_frames(sock, frames, _NOBLOCK)
+            send_frames(sock, frames, _NOBLOCK)
         except zmq.Again:  # not connected (ZMQ_IMMEDIATE) or SNDHWM: wait a little for the pipe
             grace = min(deadline, time.monotonic() + CONNECT_GRACE_S) - time.monotonic()
             if grace <= 0 or not sock.poll(grace * 1000, zmq.POLLOUT):
                 raise self._unavailable(conn, req.OP, deadline, self.timeout_s) from None
-            _send_frames(sock, frames, _NOBLOCK)
+            send_frames(sock, frames, _NOBLOCK)
         conn.waiting[req.request_id] = None
 
     def _pump(self, conn: _Conn, wait_s: float) -> None:

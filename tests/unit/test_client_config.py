@@ -303,13 +303,13 @@ def test_request_frames_under_the_copy_bound_are_copied_and_larger_ones_sent_fro
         monkeypatch: pytest.MonkeyPatch) -> None:
     import zmq
 
-    from kvd.client import sync
     from kvd.client.core import COPY_BELOW_BYTES, _open_socket
+    from kvd.wire import sockets
 
     sent: list[tuple[int, int, bool]] = []  # (bytes, flags, copied) of each part
-    monkeypatch.setattr(sync, "_zsend", lambda _s, data, flags, copy, _t: sent.append((len(data), flags, copy)))
+    monkeypatch.setattr(sockets, "_send", lambda _s, data, flags, copy, _t: sent.append((len(data), flags, copy)))
     frames = [b"h" * 40, bytes(COPY_BELOW_BYTES - 1), memoryview(bytes(COPY_BELOW_BYTES))]
-    sync._send_frames(None, frames, zmq.NOBLOCK)
+    sockets.send_frames(None, frames, zmq.NOBLOCK)  # the clients' and the servers' sends
     more, noblock = int(zmq.SNDMORE), int(zmq.NOBLOCK)
     assert sent == [(40, noblock | more, True), (COPY_BELOW_BYTES - 1, more, True), (COPY_BELOW_BYTES, 0, False)]
     ctx = zmq.Context()
