@@ -206,3 +206,9 @@ def test_compaction_takes_the_store_lock_one_step_at_a_time(server: ShardServer,
             assert time.monotonic() < deadline
             time.sleep(0.01)
     assert len(budgets) > 4 and max(budgets) <= COMPACT_STEP_BYTES
+
+
+def test_a_shard_moves_bytes_on_two_io_threads(server: ShardServer) -> None:
+    """ZeroMQ gives each connection to one I/O thread: a shard has two, so a decode step's connection shares
+    its I/O thread with at most about half of the prefilling ones."""
+    assert server._ctx is not None and server._ctx.get(zmq.IO_THREADS) == 2
