@@ -398,37 +398,23 @@ class _RouterServer:
         queue = self._queue
         guard = self._guard
         lane = self._lane
-        if lane is not None:
-            if self._bulk_pending:
+        if lane is not None and self._bulk_pending:
+            self._deliver(sock, lane)
+        if not queue:
+            if lane is not None and self._bulk_pending:  # wait for a message or for the bulk lane's next reply
+                lane.wait(sock)
                 self._deliver(sock, lane)
-            if not queue:
-                if self._bulk_pending:  # wait for a message or for the bulk lane's next reply
-                    lane.wait(sock)
-                    self._deliver(sock, lane)
-                    if not int(_get(sock, _EVENTS)) & _POLLIN:
-                        return False
-                    self._admit(sock, recv_frames(sock))
-                else:
-                    try:
-                        self._admit(sock, recv_frames(sock))  # blocks up to IDLE_TICK_S (RCVTIMEO)
-                    except zmq.Again:
-                        if guard is not None:
-                            guard.drains += 1
-                        return False
-        elif not queue:
-            if idle_work:  # a backlog remains: look for a message without blocking, else work on the backlog
+                if not int(_get(sock, _EVENTS)) & _POLLIN:
+                    return False
+                self._admit(sock, recv_frames(sock))
+            elif idle_work and lane is None:  # a backlog remains: a message if one is waiting, else the backlog
                 if not sock.poll(0, zmq.POLLIN):
                     if guard is not None:
                         guard.drains += 1  # (a drain: no complete message was waiting; see ConnectionGuard)
                     return self._idle()
                 self._admit(sock, recv_frames(sock))
-            else:
-                try:
-                    self._admit(sock, recv_frames(sock))  # blocks up to IDLE_TICK_S (RCVTIMEO)
-                except zmq.Again:
-                    if guard is not None:
-                        guard.drains += 1
-                    return self._idle()
+            elif not self._receive(sock):  # nothing for IDLE_TICK_S: idle work (a shard's lane does its own)
+                return False if lane is not None else self._idle()
         n = 0
         while n < DRAIN_BATCH:
             if not int(_get(sock, _EVENTS)) & _POLLIN:
@@ -452,6 +438,16 @@ class _RouterServer:
         if self._since_idle >= self._compact_every > 0:
             return self._idle()
         return idle_work
+
+    def _receive(self, sock: zmq.Socket[Any]) -> bool:
+        """Admit one message, waiting up to IDLE_TICK_S (RCVTIMEO) for it; False if none came."""
+        try:
+            self._admit(sock, recv_frames(sock))
+            return True
+        except zmq.Again:
+            if self._guard is not None:
+                self._guard.drains += 1
+            return False
 
     def _deliver(self, sock: zmq.Socket[Any], lane: _BulkLane) -> None:
         """Send the replies the bulk lane has finished (on the loop thread, which owns the socket)."""

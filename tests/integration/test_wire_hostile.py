@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from kvd.wire import protocol as p
 from kvd.wire.server import CurveConfig, keygen
 
 # a sibling test module (pytest puts this directory on sys.path): the server-process helpers
+from scripted_shard import Scripted  # isort: skip  (tests/integration/scripted_shard.py)
 from test_wire import LAYOUT, NS, ServerProcess, kv, raw_dealer, request  # isort: skip
 
 pytestmark = pytest.mark.integration
@@ -246,47 +247,29 @@ def test_overload_gets_busy_replies_and_busy_requests_do_not_run() -> None:
         server.stop()
 
 
-class BusyTwice:
-    """A ROUTER that answers hello, then Busy to the first two attempts of each request, then the real reply."""
+def busy_twice() -> Callable[[Any], Any]:
+    """An answer for :class:`Scripted`: Busy to the first two attempts of each request, then the real reply."""
+    attempts = 0
 
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
-        self.attempts = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+    def answer(req: Any) -> Any:
+        nonlocal attempts
+        attempts += 1
+        if attempts % 3:
+            return p.error_reply(req.request_id, Busy("queue full"))
+        return p.LengthReply(request_id=req.request_id, length=42)
 
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            ident, *frames = self.sock.recv_multipart()
-            req = p.decode_request(frames)
-            if isinstance(req, p.HelloRequest):
-                reply: Any = p.HelloReply(request_id=req.request_id, kvd_version="t", page_format_version=1,
-                                          shard_id="bt", page_tokens=64)
-            else:
-                self.attempts += 1
-                reply = (p.error_reply(req.request_id, Busy("queue full")) if self.attempts % 3
-                         else p.LengthReply(request_id=req.request_id, length=42))
-            self.sock.send_multipart([ident, *p.encode_reply(reply)])
-        self.sock.close()
-        self.ctx.term()
+    return answer
 
 
 @pytest.mark.timeout(30)
 def test_the_client_retries_busy_with_backoff() -> None:
-    server = BusyTwice()
+    server = Scripted(busy_twice(), shard_id="bt")
     try:
         with Client(server.endpoint, timeout_s=5) as c:
             t0 = time.monotonic()
-            assert c.length(NS, 1) == 42 and server.attempts == 3
+            assert c.length(NS, 1) == 42 and len(server.requests) == 3
             assert time.monotonic() - t0 < 2
             with pytest.raises(Busy):  # pipelined calls are not retried
                 c.append_nowait(NS, 1, *kv(tokens=1)).result()
     finally:
-        server.stop.set()
-        server.thread.join(5)
+        server.close()
