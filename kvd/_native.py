@@ -51,7 +51,10 @@ COMPILED = (
     "wire.protocol",
     "wire.routing",
     "wire.schema",
-    "wire.server",
+    "wire.server.lane",
+    "wire.server.loop",
+    "wire.server.shard",
+    "wire.server.topology",
     "wire.sockets",
 )
 

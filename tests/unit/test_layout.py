@@ -140,8 +140,8 @@ def test_the_graph_was_read() -> None:
     # a walker that found nothing would pass every rule below
     assert len(GRAPH) > 40
     assert "kvd.codec.pages" in GRAPH["kvd.store.pool"]
-    assert "kvd.store.core" in GRAPH["kvd.wire.server"]
-    assert "zmq" in EXTERNAL["kvd.wire.server"] and "ray" in EXTERNAL["kvd.cluster.deploy"]
+    assert "kvd.store.core" in GRAPH["kvd.wire.server.shard"]
+    assert "zmq" in EXTERNAL["kvd.wire.server.loop"] and "ray" in EXTERNAL["kvd.cluster.deploy"]
 
 
 def test_no_import_circles() -> None:

@@ -1,5 +1,7 @@
-"""ZeroMQ servers: :class:`ShardServer` (the data path around one Store) and :class:`TopologyServer` (the
-coordinator's topology endpoint). Wire format: docs/protocol.md; codec: :mod:`kvd.protocol`.
+"""The ROUTER loop every kvd server runs (:class:`RouterServer`): binding, socket options, CURVE, admission,
+replies, metrics. :class:`~kvd.wire.server.shard.ShardServer` and
+:class:`~kvd.wire.server.topology.TopologyServer` say what a request does. Wire format: docs/protocol.md;
+codec: :mod:`kvd.protocol`.
 
 Theory of operation
 -------------------
@@ -8,16 +10,6 @@ a receiving thread and a store thread costs about as much as a whole loopback ro
 ~40 us measured), so a small request that arrives at an idle server runs at once on the thread that received
 it. The store's kernels release the GIL, so other threads of the process (the Ray actor, metrics readers) run
 while a page is encoded.
-
-*Two lanes (a shard).* A request that moves ``BULK_MIN_BYTES`` or more (an append of that size, a get whose
-range decodes to that size) or may wait on another process (``register``, which asks the coordinator) runs on
-the shard's *bulk lane*, a second thread, and its reply comes back to the loop to be sent. Small requests keep
-running on the loop meanwhile, and the store encodes and decodes large requests without its lock (kvd.store,
-"Threads"), so a decode step's append is never queued behind a 64 MiB prefill. Requests of one connection
-still start in the order received: while one of its requests is on the bulk lane, the connection's next
-requests follow it there. The bulk lane also compacts the store when it has nothing else to do. The shard's
-ZeroMQ context has two I/O threads, so a connection's bytes do not wait behind every other connection's MiBs
-either.
 
 *Admission (the busy policy).* Each turn of the loop first drains every message ZeroMQ has ready into a bounded
 FIFO (``max_queued_requests`` requests, ``max_queued_bytes`` bytes; one request is always admitted into an empty
@@ -46,10 +38,6 @@ Heartbeats (``ZMQ_HEARTBEAT_*``) close connections to dead peers, which frees th
 the error reply names the problem. A frame over ``MAXMSGSIZE`` (the protocol's ``max_frame_bytes``) makes
 ZeroMQ cut that peer; everyone else is unaffected.
 
-*Compaction* (:meth:`Store.compact`) runs between requests, with ``compact_budget_bytes`` per call: on the bulk
-lane when it has no request (again at once while a backlog remains, else every ``IDLE_TICK_S``), and after every
-``compact_every`` bulk requests.
-
 *Memory.* Requests and replies of MiBs allocate buffers of that size on every call; :meth:`ShardServer.start`
 makes glibc recycle them (:func:`tune_malloc`) instead of paying a page fault per 4 KiB of fresh memory.
 """
@@ -58,17 +46,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
-import os
-import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
-import numpy as np
 import zmq
 import zmq.auth
 import zmq.backend
@@ -76,36 +59,16 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from kvd import __version__
 from kvd.codec import pages
-from kvd.errors import (
-    Busy,
-    ConfigError,
-    Conflict,
-    KvdError,
-    MessageTooLarge,
-    ProtocolError,
-    UnknownSequence,
-    WrongShard,
-)
-from kvd.store.core import PACK_FRAME_BYTES, Store
+from kvd.errors import Busy, ConfigError, KvdError
 from kvd.wire import protocol as p
-from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig, keygen
-from kvd.wire.routing import Router
-from kvd.wire.sockets import (
-    COPY_THRESHOLD_BYTES,
-    DEFAULT_HEARTBEAT_IVL_S,
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    HANDSHAKE_TIMEOUT_S,
-    ConnectionGuard,
-    recv_frames,
-    send_frames,
-    tune_malloc,
-)
+from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig
+from kvd.wire.server.lane import BulkLane
+from kvd.wire.sockets import HANDSHAKE_TIMEOUT_S, ConnectionGuard, recv_frames, send_frames
 
-log = logging.getLogger(__name__)
+__all__ = ["DEFAULT_HWM", "DEFAULT_LINGER_S", "DEFAULT_MAX_QUEUED_BYTES", "DEFAULT_MAX_QUEUED_REQUESTS",
+           "IDLE_TICK_S", "RouterServer"]
 
-# CurveConfig, keygen, tune_malloc and the frame helpers live in kvd.wire.curve and kvd.wire.sockets (re-exported)
-__all__ = ["COPY_THRESHOLD_BYTES", "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "CurveConfig",
-           "ShardServer", "TopologyServer", "keygen", "recv_frames", "send_frames", "tune_malloc"]
+log = logging.getLogger("kvd.wire.server")
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_BYTES = 256 * 1024 * 1024
@@ -113,13 +76,8 @@ DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader be
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
-BULK_MIN_BYTES = 4 << 20  # a shard's requests moving this much run on its bulk lane (see the module docstring)
-COMPACT_STEP_BYTES = 1 << 20  # compaction takes the store's lock for at most about this much re-encoding
-BULK_NICE = 10  # the bulk lane's thread (and the codec thread it starts) yield the CPU to the loop's requests
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
-_OWNER_CACHE = 65536  # sequences whose owner a shard remembers (per routing)
-_START_UP_OPS = (p.HelloRequest, p.PingRequest, p.StatsRequest)  # served while a shard is starting
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
 # microseconds per call, a measurable share of a small request.
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
@@ -128,9 +86,6 @@ _DONTWAIT = int(zmq.DONTWAIT)
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _get = zmq.backend.Socket.get
 _send = zmq.backend.Socket.send
-
-
-# ------------------------------------------------------------------------------------------------ the loop
 
 
 class _Metrics:
@@ -171,7 +126,8 @@ class _Metrics:
                 "compacted_bytes": self.compacted_bytes, "uptime_s": round(time.monotonic() - self.started, 3)}
 
 
-class _RouterServer:
+
+class RouterServer:
     """The ROUTER loop shared by both servers: binding, socket options, CURVE, admission, replies, metrics.
     Subclasses implement :meth:`_execute` (a request -> a reply message) and may override :meth:`_idle`."""
 
@@ -223,7 +179,7 @@ class _RouterServer:
         self._compact_every = 0  # requests between idle-work calls under load (0: only when idle)
         self._since_idle = 0
         self._ctx: zmq.Context[Any] | None = None
-        self._lane: _BulkLane | None = None  # a shard's bulk lane (started by _main when _wants_lane)
+        self._lane: BulkLane | None = None  # a shard's bulk lane (started by _main when _wants_lane)
         self._bulk_owed: dict[bytes, int] = {}  # connection -> its requests on the bulk lane (loop thread only)
         self._bulk_pending = 0
 
@@ -273,7 +229,7 @@ class _RouterServer:
                                       guard.cuts if guard else 0, guard.held_total if guard else 0,
                                       self._bulk_pending)
 
-    def __enter__(self) -> _RouterServer:
+    def __enter__(self) -> RouterServer:
         self.start()
         return self
 
@@ -342,8 +298,8 @@ class _RouterServer:
                                                   credentials_provider=AllowList(self._curve.authorized_keys))
             sock = self._open(ctx)
             if self._wants_lane:
-                self._lane = _BulkLane(ctx, self._reply, self._idle, compact_every=self._compact_every,
-                                       name=f"kvd-{self._NAME}-bulk")
+                self._lane = BulkLane(ctx, self._reply, self._idle, compact_every=self._compact_every,
+                                      tick_s=IDLE_TICK_S, name=f"kvd-{self._NAME}-bulk")
         except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
             self._start_error = exc if isinstance(exc, Exception) else RuntimeError(str(exc))
             self._ready.set()
@@ -449,7 +405,7 @@ class _RouterServer:
                 self._guard.drains += 1
             return False
 
-    def _deliver(self, sock: zmq.Socket[Any], lane: _BulkLane) -> None:
+    def _deliver(self, sock: zmq.Socket[Any], lane: BulkLane) -> None:
         """Send the replies the bulk lane has finished (on the loop thread, which owns the socket)."""
         done = lane.done
         metrics = self._metrics
@@ -568,120 +524,6 @@ class _RouterServer:
                                        page_tokens=page_tokens)
 
 
-class _BulkLane:
-    """A shard's second serving thread: runs the requests :meth:`_RouterServer._is_bulk` picks, in the order
-    submitted, and the store's compaction when it has none. The loop submits ``(ident, request, frames, size,
-    fd)``; the lane appends ``(ident, reply frames, size, fd, is_error)`` to :attr:`done` and wakes the loop
-    through an inproc PAIR socket (ZeroMQ sockets stay with the threads that use them)."""
-
-    def __init__(self, ctx: zmq.Context[Any], reply: Callable[[Any], tuple[list[p.Frame], bool]],
-                 idle: Callable[[], bool], *, compact_every: int, name: str) -> None:
-        self.done: collections.deque[tuple[bytes, list[p.Frame], int, int, bool]] = collections.deque()
-        self._jobs: collections.deque[tuple[bytes, Any, list[zmq.Frame], int, int]] = collections.deque()
-        self._cv = threading.Condition(threading.Lock())
-        self._reply, self._idle = reply, idle
-        self._compact_every = compact_every  # jobs between idle-work calls while jobs keep coming (0: never)
-        self._stopping = False
-        self._endpoint = f"inproc://{name}-{id(self):x}"
-        self._rx = ctx.socket(zmq.PAIR)  # the loop's end
-        self._rx.setsockopt(zmq.LINGER, 0)
-        self._rx.bind(self._endpoint)
-        self._ctx = ctx
-        self._poll = [(None, _POLLIN), (self._rx, _POLLIN)]
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, args=(ready,), name=name, daemon=True)
-        self._thread.start()
-        ready.wait(5.0)
-
-    def submit(self, job: tuple[bytes, Any, list[zmq.Frame], int, int]) -> None:
-        with self._cv:
-            self._jobs.append(job)
-            self._cv.notify()
-
-    def wait(self, sock: zmq.Socket[Any]) -> None:
-        """(Loop thread) block until ``sock`` has a message or the lane a reply, at most ``IDLE_TICK_S``."""
-        if self.done:
-            return
-        self._poll[0] = (sock, _POLLIN)
-        zmq.zmq_poll(self._poll, int(IDLE_TICK_S * 1000))
-        rx = self._rx
-        with contextlib.suppress(zmq.Again):
-            while True:
-                rx.recv(_DONTWAIT, copy=False)
-
-    def stop(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify()
-        self._thread.join(10.0)
-        self._rx.close(0)
-
-    def _main(self, ready: threading.Event) -> None:
-        lower_thread_priority(BULK_NICE, BULK_THREAD_NAME)
-        tx = self._ctx.socket(zmq.PAIR)
-        tx.setsockopt(zmq.LINGER, 0)
-        tx.connect(self._endpoint)
-        ready.set()
-        idle_work = True
-        since_idle = 0
-        try:
-            while True:
-                with self._cv:
-                    while not self._jobs and not self._stopping and not idle_work:
-                        idle_work = not self._cv.wait(IDLE_TICK_S)  # a tick without work: compact again
-                    if self._stopping:
-                        return
-                    job = self._jobs.popleft() if self._jobs else None
-                if job is None:
-                    since_idle = 0
-                    idle_work = self._run_idle()
-                    continue
-                ident, req, frames, size, fd = job
-                reply, error = self._reply(req)
-                del req, frames, job  # the request's buffers go before the reply is sent
-                self.done.append((ident, reply, size, fd, error))
-                with contextlib.suppress(zmq.Again):  # (the loop also looks at `done` every turn)
-                    tx.send(b"", _DONTWAIT)
-                idle_work = True
-                since_idle += 1
-                if since_idle >= self._compact_every > 0:
-                    since_idle = 0
-                    self._run_idle()
-        finally:
-            tx.close(0)
-
-    def _run_idle(self) -> bool:
-        try:
-            return self._idle()
-        except Exception:  # noqa: BLE001 - idle work must not stop the lane
-            log.exception("bulk lane: idle work failed")
-            return False
-
-
-BULK_THREAD_NAME = "kvd-bulk"  # the lane's name in the kernel (top -H, /proc/PID/task/*/comm)
-
-
-def lower_thread_priority(steps: int, name: str) -> None:
-    """Raise the calling thread's nice value by ``steps`` and give it ``name`` in the kernel (Linux: nice and
-    the name are per thread, and threads it creates inherit both). Elsewhere, or when refused, nothing
-    changes."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError) as exc:
-        log.debug("thread name unchanged: %s", exc)
-    if steps <= 0:
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
-    except OSError as exc:
-        log.debug("thread priority unchanged: %s", exc)
-
-
 def _peek_id(frames: list[zmq.Frame]) -> int | None:
     """The request id of a message to refuse, if its header has a readable one (a bounded, cheap decode)."""
     try:
@@ -694,301 +536,3 @@ def _peek_id(frames: list[zmq.Frame]) -> int | None:
     except Exception:  # noqa: BLE001 - anything unreadable has no id
         return None
     return rid if type(rid) is int and 0 <= rid <= p.MAX_REQUEST_ID else None
-
-
-# ------------------------------------------------------------------------------------------------ servers
-
-
-class ShardServer(_RouterServer):
-    """Serves one :class:`~kvd.store.Store` over ZeroMQ (docs/protocol.md) on ``tcp://host:port`` (port 0: any
-    free port; :meth:`start` returns the endpoint). The serving thread is the only caller of the store's data
-    operations; ``set_level``/``stats`` may be called on the store from other threads (it has a lock).
-
-    Options (keyword-only): ``limits`` (the protocol limits enforced and announced), ``curve`` (a server
-    :class:`CurveConfig`: encryption and the client allow-list), ``compact_budget_bytes`` (per compaction step),
-    ``compact_every`` (requests between compaction steps under load), ``max_queued_requests`` /
-    ``max_queued_bytes`` (admission; beyond them requests get ``Busy``), ``hwm`` (ZeroMQ SNDHWM/RCVHWM per peer),
-    ``heartbeat_ivl_s`` / ``heartbeat_timeout_s``, ``linger_s``, ``recycle_memory`` (:meth:`start` calls
-    :func:`tune_malloc`, process-wide: meant for a process that hosts shards).
-
-    In a cluster (kvd.cluster.shard): ``incarnation`` (this process's id, told to a ``hello`` that asks and
-    checked against an ``append`` that names one), ``on_register`` (called with ``(namespace, (layers,
-    kv_heads, head_dim))`` before a ``register`` is applied: makes it cluster-wide; raises to refuse it), and
-    :meth:`set_routing` (the topology whose ownership the shard enforces: WrongShard for another's sequence),
-    ``starting`` (data operations are answered Busy until :meth:`open_for_data`: a restarted shard first learns
-    the cluster's namespaces, so its lost sequences are UnknownSequence, never UnknownNamespace).
-    """
-
-    _NAME = "shard server"
-
-    def __init__(self, store: Store, *, shard_id: str, host: str = "127.0.0.1", port: int = 0,
-                 limits: p.Limits | None = None, curve: CurveConfig | None = None,
-                 compact_budget_bytes: int = 8 << 20, compact_every: int = 64,
-                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
-                 max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES, hwm: int = DEFAULT_HWM,
-                 heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
-                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 linger_s: float = DEFAULT_LINGER_S, recycle_memory: bool = True, incarnation: str | None = None,
-                 on_register: Callable[[str, tuple[int, int, int]], None] | None = None,
-                 starting: bool = False) -> None:
-        super().__init__(host=host, port=port, limits=limits, curve=curve, max_queued_requests=max_queued_requests,
-                         max_queued_bytes=max_queued_bytes, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
-                         heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s)
-        self._store = store
-        self._pack_frame_bytes = min(PACK_FRAME_BYTES, self._limits.max_frame_bytes)  # packed pages replies
-        self._shard_id = p.check_short_text("shard_id", shard_id, ConfigError)
-        if isinstance(compact_budget_bytes, bool) or not isinstance(compact_budget_bytes, int) \
-                or compact_budget_bytes < 0:
-            raise ConfigError(f"compact_budget_bytes must be a non-negative integer, got {compact_budget_bytes!r}")
-        self._compact_budget = compact_budget_bytes
-        self._compact_every = compact_every
-        self._recycle_memory = recycle_memory
-        self._incarnation = None if incarnation is None else p.check_short_text("incarnation", incarnation,
-                                                                                 ConfigError)
-        self._on_register_hook = on_register
-        self._starting = bool(starting)  # data operations get Busy until open_for_data() (cluster start-up)
-        # (topology epoch, router, this shard's index in it, owner cache): None until a cluster hands one
-        self._routing: tuple[int, Router, int, dict[tuple[str, type, Any], int]] | None = None
-        self._handlers: dict[type, Callable[[Any], Any]] = {
-            p.HelloRequest: self._on_hello, p.PingRequest: lambda r: p.PingReply.trusted(request_id=r.request_id),
-            p.RegisterRequest: self._on_register, p.AppendRequest: self._on_append, p.GetRequest: self._on_get,
-            p.DropRequest: self._on_drop, p.LengthRequest: self._on_length,
-            p.LengthsRequest: self._on_lengths, p.StatsRequest: self._on_stats,
-            p.ExplainRequest: self._on_explain}
-
-    @property
-    def shard_id(self) -> str:
-        return self._shard_id
-
-    @property
-    def incarnation(self) -> str | None:
-        return self._incarnation
-
-    @property
-    def topology_epoch(self) -> int:
-        """The epoch of the routing enforced (0: none)."""
-        routing = self._routing
-        return 0 if routing is None else routing[0]
-
-    def set_routing(self, epoch: int, shard_ids: list[str]) -> bool:
-        """Enforce ownership by rendezvous hashing over ``shard_ids`` (docs/protocol.md §10) from now on, if
-        ``epoch`` is newer than the routing in force. Any thread may call it. Returns whether it applied."""
-        current = self._routing
-        if current is not None and epoch <= current[0]:
-            return False
-        if self._shard_id not in shard_ids:
-            log.warning("shard %s: topology epoch %d does not list this shard; routing not enforced",
-                        self._shard_id, epoch)
-            self._routing = None
-            return False
-        router = Router(list(shard_ids))
-        self._routing = (int(epoch), router, router.shard_ids.index(self._shard_id), {})
-        return True
-
-    def _check_owner(self, namespace: str, seq_id: Any) -> None:
-        """WrongShard unless this shard owns ``(namespace, seq_id)`` by the routing in force (if any)."""
-        routing = self._routing
-        if routing is None:
-            return
-        epoch, router, mine, cache = routing
-        key = (namespace, type(seq_id), seq_id)
-        index = cache.get(key)
-        if index is None:
-            index = router.owner(namespace, seq_id)
-            if len(cache) >= _OWNER_CACHE:
-                cache.clear()
-            cache[key] = index
-        if index != mine:
-            raise WrongShard(f"shard {self._shard_id!r} does not own sequence {seq_id!r} of namespace "
-                             f"{namespace!r}: shard {router.shard_ids[index]!r} does (topology epoch {epoch}); "
-                             "refresh the topology and resend. Nothing was done")
-
-    _wants_lane = True
-    # Two I/O threads: ZeroMQ gives each connection to one I/O thread, which moves its bytes in turns of up to a
-    # socket buffer's worth; with one thread a decode step's few bytes waited behind MiBs of other clients'
-    # prefills on every turn (bench/decode_tail.py: p50 3.4 -> 0.8 ms, p99 32 -> 19 ms with 4 prefilling).
-    _IO_THREADS = 2
-
-    def _is_bulk(self, req: Any, size: int) -> bool:
-        kind = type(req)
-        if kind is p.AppendRequest:
-            return size >= BULK_MIN_BYTES
-        if kind is p.GetRequest:
-            return self._store.read_bytes(req.namespace, req.seq_id, req.start, req.end,
-                                          req.layers) >= BULK_MIN_BYTES
-        return kind is p.RegisterRequest  # may wait for the coordinator (on_register)
-
-    def start(self, timeout_s: float = 10.0) -> str:
-        if self._recycle_memory:
-            tune_malloc()  # a shard's process serves large buffers all day: recycle them (see tune_malloc)
-        return super().start(timeout_s)
-
-    def open_for_data(self) -> None:
-        """Serve data operations (after ``starting=True``); any thread."""
-        self._starting = False
-
-    def _execute(self, req: Any) -> Any:
-        if self._starting and type(req) not in _START_UP_OPS:
-            raise Busy(f"shard {self._shard_id!r} is starting (registering with the coordinator); the request "
-                       "was not executed: retry after a short backoff")
-        handler = self._handlers.get(type(req))
-        if handler is None:
-            raise ProtocolError(f"op {req.OP!r} is served by the coordinator, not by shard {self._shard_id!r}")
-        return handler(req)
-
-    def _idle(self) -> bool:
-        self._since_idle = 0
-        if not self._compact_budget:
-            return False
-        # In steps of COMPACT_STEP_BYTES, letting go of the store's lock (and the GIL) between them: a small
-        # request on the loop waits for one step, not for the whole budget. A step that does nothing (no
-        # backlog: it returns at once; or pages larger than the step) doubles it.
-        metrics = self._metrics
-        left, step, freed = self._compact_budget, COMPACT_STEP_BYTES, 0
-        try:
-            while left > 0:
-                take = min(step, left)
-                got = self._store.compact(take)
-                if not got:
-                    if take == left:
-                        break
-                    step *= 2
-                    continue
-                freed += got
-                metrics.compactions += 1
-                metrics.compacted_bytes += got
-                left -= take
-                time.sleep(0)
-        except Exception:  # noqa: BLE001 - compaction must not stop serving
-            log.exception("shard %s: compaction failed", self._shard_id)
-            return False
-        return freed > 0
-
-    def _on_hello(self, req: p.HelloRequest) -> p.HelloReply:
-        reply = self._hello(req, role="shard", name=self._shard_id, page_tokens=self._store.page_tokens)
-        if req.incarnation and self._incarnation is not None:  # protocol 1.3, only to a hello that asks
-            reply = dataclasses.replace(reply, incarnation=self._incarnation)
-        return reply
-
-    def _on_register(self, req: p.RegisterRequest) -> p.RegisterReply:
-        if self._on_register_hook is not None:  # cluster-wide first: the cluster may know another layout
-            self._on_register_hook(req.namespace, (req.num_layers, req.num_kv_heads, req.head_dim))
-        self._store.register(req.namespace, num_layers=req.num_layers, num_kv_heads=req.num_kv_heads,
-                             head_dim=req.head_dim)
-        return p.RegisterReply.trusted(request_id=req.request_id)
-
-    def _on_append(self, req: p.AppendRequest) -> p.AppendReply:
-        if req.incarnation is not None and req.incarnation != self._incarnation:
-            raise WrongShard(f"shard {self._shard_id!r} is incarnation {self._incarnation}, not {req.incarnation} "
-                             "that the append names (the shard restarted, or the sequence was written to another "
-                             "shard): the sequence's earlier tokens are not here. Nothing was written: say hello "
-                             "again, then resend with offset (or start the sequence over)")
-        if self._routing is not None:
-            self._check_owner(req.namespace, req.seq_id)
-        store = self._store
-        if req.offset is not None:
-            try:
-                current = store.length(req.namespace, req.seq_id)
-            except UnknownSequence:
-                current = 0
-            if current != req.offset:
-                raise Conflict(f"append offset {req.offset} does not match the length {current} of sequence "
-                               f"{req.seq_id!r} in namespace {req.namespace!r}; nothing was written")
-        keys, values = req.keys, req.values
-        if req.dtype == "bfloat16":  # the wire carries bit patterns; the store takes float16
-            keys = pages.bf16_bits_to_f16(keys.view(np.uint16), "keys")
-            values = pages.bf16_bits_to_f16(values.view(np.uint16), "values")
-        length = store.append(req.namespace, req.seq_id, keys, values, position=req.position)
-        # the server's own replies from the store's results are valid by construction: no second check
-        return p.AppendReply.trusted(request_id=req.request_id, length=int(length))
-
-    def _on_get(self, req: p.GetRequest) -> p.GetReply | p.GetPagesReply:
-        if self._routing is not None:
-            self._check_owner(req.namespace, req.seq_id)
-        store = self._store
-        if req.format == "fp16":
-            keys, values = store.get(req.namespace, req.seq_id, req.start, req.end, req.layers)
-            keys, values = np.ascontiguousarray(keys, np.float16), np.ascontiguousarray(values, np.float16)
-            layers = req.layers if req.layers is not None else tuple(range(keys.shape[0]))
-            return p.GetReply.trusted(request_id=req.request_id, start=req.start, end=req.start + keys.shape[1],
-                                      layers=layers, keys=keys, values=values)
-        entries, frames = store.get_pages_packed(req.namespace, req.seq_id, req.start, req.end, req.layers,
-                                                 frame_bytes=self._pack_frame_bytes)
-        if len(entries) > self._limits.max_pages:
-            raise MessageTooLarge(f"the range needs {len(entries)} pages, more than max_pages "
-                                    f"{self._limits.max_pages}: ask for fewer tokens or layers")
-        end = req.end if req.end is not None else store.length(req.namespace, req.seq_id)
-        layers = req.layers if req.layers is not None else tuple(dict.fromkeys(e[0] for e in entries))
-        return p.GetPagesReply.trusted(request_id=req.request_id, start=req.start, end=int(end), layers=layers,
-                                       entries=tuple(entries), packed=tuple(frames) if req.packed else None)
-
-    def _on_drop(self, req: p.DropRequest) -> p.DropReply:
-        if self._routing is not None:
-            self._check_owner(req.namespace, req.seq_id)
-        dropped = bool(self._store.drop(req.namespace, req.seq_id))
-        return p.DropReply.trusted(request_id=req.request_id, dropped=dropped)
-
-    def _on_length(self, req: p.LengthRequest) -> p.LengthReply:
-        if self._routing is not None:
-            self._check_owner(req.namespace, req.seq_id)
-        return p.LengthReply.trusted(request_id=req.request_id,
-                                     length=int(self._store.length(req.namespace, req.seq_id)))
-
-    def _on_lengths(self, req: p.LengthsRequest) -> p.LengthsReply:
-        if self._routing is not None:
-            for seq_id in req.seq_ids:
-                self._check_owner(req.namespace, seq_id)
-        found = self._store.lengths(req.namespace, req.seq_ids)
-        return p.LengthsReply.trusted(request_id=req.request_id,
-                                      lengths=tuple(None if n is None else int(n) for n in found))
-
-    def _on_stats(self, req: p.StatsRequest) -> p.StatsReply:
-        stats = dict(self._store.stats())
-        for key, value in self.metrics().items():
-            stats[f"server_{key}"] = value
-        stats["shard_id"] = self._shard_id
-        stats["endpoint"] = self._endpoint
-        stats["topology_epoch"] = self.topology_epoch
-        if self._incarnation is not None:
-            stats["incarnation"] = self._incarnation
-        return p.StatsReply(request_id=req.request_id, stats=stats)
-
-    def _on_explain(self, req: p.ExplainRequest) -> p.ExplainReply:
-        if self._routing is not None:
-            self._check_owner(req.namespace, req.seq_id)
-        info = dict(self._store.explain(req.namespace, req.seq_id, req.layer, req.token))
-        level, reasons = info.pop("level"), info.pop("reasons")
-        return p.ExplainReply(request_id=req.request_id, level=level, reasons=tuple(reasons), details=info)
-
-
-class TopologyServer(_RouterServer):
-    """Serves ``hello`` / ``ping`` / ``topology`` for the coordinator. ``get_topology()`` is called on the
-    serving thread for each request and returns ``{"epoch": int, "shards": [{"id", "endpoint"}, ...],
-    "level": tag, "level_epoch": int}``. Data operations are refused with ProtocolError (they go to shards)."""
-
-    _NAME = "topology server"
-
-    def __init__(self, get_topology: Callable[[], dict[str, Any]], *, host: str = "127.0.0.1", port: int = 0,
-                 curve: CurveConfig | None = None, name: str = "coordinator", limits: p.Limits | None = None,
-                 hwm: int = DEFAULT_HWM, heartbeat_ivl_s: float = DEFAULT_HEARTBEAT_IVL_S,
-                 heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
-                 linger_s: float = DEFAULT_LINGER_S) -> None:
-        super().__init__(host=host, port=port, limits=limits, curve=curve, max_queued_requests=256,
-                         max_queued_bytes=16 << 20, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
-                         heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s)
-        if not callable(get_topology):
-            raise ConfigError(f"get_topology must be callable, got {type(get_topology).__name__}")
-        self._get_topology = get_topology
-        self._name = p.check_short_text("name", name, ConfigError)
-
-    def _execute(self, req: Any) -> Any:
-        if isinstance(req, p.HelloRequest):
-            return self._hello(req, role="coordinator", name=self._name, page_tokens=None)
-        if isinstance(req, p.PingRequest):
-            return p.PingReply(request_id=req.request_id)
-        if isinstance(req, p.TopologyRequest):
-            topo = self._get_topology()
-            return p.TopologyReply(request_id=req.request_id, epoch=topo["epoch"], shards=tuple(topo["shards"]),
-                                   level=topo["level"], level_epoch=topo["level_epoch"])
-        raise ProtocolError(f"op {req.OP!r} is served by the shards; this is the coordinator's topology endpoint "
-                            "(ops: hello, ping, topology)")
