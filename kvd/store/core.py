@@ -119,6 +119,11 @@ MAX_EPOCH = 2**63 - 1
 UNLOCKED_MIN_BYTES = 1 << 20
 
 
+def _fp16_bytes(ns: Namespace, layers: int, tokens: int) -> int:
+    """The bytes of float16 keys and values of ``tokens`` tokens of ``layers`` layers of ``ns``."""
+    return 4 * layers * tokens * ns.heads * ns.head_dim
+
+
 class _InFlight(Exception):
     """(Internal) an append must make room while other appends are in flight: wait for them, plan again."""
 
@@ -588,7 +593,7 @@ class Store(Compaction, Eviction):
                 raise InvalidArgument("keys_out and values_out overlap")
             self._seqs.move_to_end(seq.key)
             self._gets += 1
-            if 4 * len(lay) * (e - s) * ns.heads * ns.head_dim < UNLOCKED_MIN_BYTES:
+            if _fp16_bytes(ns, len(lay), e - s) < UNLOCKED_MIN_BYTES:
                 store_seq.read_into(seq, s, e, lay, self.page_tokens, k, v)
                 return e - s
             view = self._view(seq, e)
@@ -630,7 +635,7 @@ class Store(Compaction, Eviction):
             self._seqs.move_to_end(seq.key)
             self._gets += 1
             ns = seq.ns
-            if 4 * len(lay) * (e - s) * ns.heads * ns.head_dim < UNLOCKED_MIN_BYTES:
+            if _fp16_bytes(ns, len(lay), e - s) < UNLOCKED_MIN_BYTES:
                 return store_seq.page_entries(seq, s, e, lay, self.page_tokens, frame_bytes)
             view = self._view(seq, e)
         return self._unlocked_read(store_seq.page_entries, view, s, e, lay, self.page_tokens, frame_bytes)
@@ -661,7 +666,7 @@ class Store(Compaction, Eviction):
                 s, e, lay = store_seq.check_range(seq, start, end, layers)
             except (UnknownNamespace, UnknownSequence, InvalidArgument):
                 return 0
-            return 4 * len(lay) * (e - s) * seq.ns.heads * seq.ns.head_dim
+            return _fp16_bytes(seq.ns, len(lay), e - s)
 
     def length(self, namespace: str, seq_id: SeqId) -> int:
         """Tokens stored for the sequence. Raises UnknownNamespace / UnknownSequence."""

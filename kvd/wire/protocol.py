@@ -317,7 +317,7 @@ def _packb(obj: Any) -> bytes:
     packer = getattr(_packers, "packer", None)
     if packer is None:  # this thread's first message
         packer = _packers.packer = msgpack.Packer(use_bin_type=True, autoreset=True)
-    return packer.pack(obj)  # type: ignore[no-any-return]  # resets itself when it raises, too
+    return packer.pack(obj)  # resets itself when it raises, too
 
 
 # ---- encoding ------------------------------------------------------------------------------------------------

@@ -311,7 +311,7 @@ def wire_array(arr: np.ndarray) -> np.ndarray:
 def tensor_frame(arr: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array as a 1-D byte memoryview (no copy)."""
     try:  # float16 / float32: a third of the cost of the view below
-        return memoryview(arr).cast("B")
+        return memoryview(arr).cast("B")  # type: ignore[arg-type]
     except (TypeError, ValueError):  # no buffer format (bfloat16), zero-size or not contiguous
         return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
