@@ -93,6 +93,7 @@ class Shard:
                 port=port,
                 curve=curve,
                 compact_budget_bytes=config.store.compact_budget_bytes,
+                socket_buffer_bytes=config.cluster.shard_socket_buffer_bytes,
                 incarnation=self._incarnation,
                 on_register=self._register_namespace,
                 starting=True,  # no data before the cluster's namespaces are known (the first registration)

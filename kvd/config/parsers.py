@@ -144,13 +144,14 @@ def number_in(low: float, high: float | None = None, *, open_low: bool = False) 
     return parse
 
 
-def size_at_least(minimum: int) -> Parser:
-    """A size in bytes (:func:`parse_size`) of at least ``minimum`` bytes."""
+def size_at_least(minimum: int, *, or_zero: bool = False) -> Parser:
+    """A size in bytes (:func:`parse_size`) of at least ``minimum`` bytes (or 0, with ``or_zero``: "off")."""
 
     def parse(name: str, value: object) -> int:
         n = parse_size(value, name=name)
-        if n < minimum:
-            raise ConfigError(f"{name}: must be at least {format_size(minimum)}, got {value!r}")
+        if n < minimum and not (or_zero and n == 0):
+            raise ConfigError(f"{name}: must be {'0 or ' if or_zero else ''}at least {format_size(minimum)}, "
+                              f"got {value!r}")
         return n
 
     return parse

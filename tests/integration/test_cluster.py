@@ -26,6 +26,8 @@ from kvd.cluster.deploy import Deployment, deploy, teardown, wait_until
 from kvd.errors import Conflict, KvdError, OutOfMemory, UnknownSequence
 from kvd.wire.protocol import owner
 
+from tcp_buffers import tcp_buffers  # isort: skip  (tests/integration/tcp_buffers.py)
+
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
@@ -38,7 +40,8 @@ def cluster(request: pytest.FixtureRequest, small_config: Any) -> Iterator[Deplo
     shards = getattr(request, "param", 3)
     # a hysteresis of 0.5 keeps these tests' levels where they put them, whatever re-compression frees
     config = small_config("kvd-test", shards, **{"store.eviction": "none", "policy.ewma_alpha": 1.0,
-                                                 "policy.hysteresis": 0.5, "store.warm_cache_bytes": "3MiB"})
+                                                 "policy.hysteresis": 0.5, "store.warm_cache_bytes": "3MiB",
+                                                 "cluster.shard_socket_buffer_bytes": "64KiB"})
     deployment = deploy(config, ready_timeout_s=60)
     yield deployment
     teardown(config.cluster.namespace, timeout_s=10)
@@ -106,6 +109,9 @@ def test_sequences_spread_and_pressure_moves_every_shard_to_q8_then_q4_and_back(
         stored = fill(client, "a", 0.82)
         owners = {ids[owner(ids, NS, s)] for s in stored}
         assert owners == set(ids)  # the client spread sequences over every shard
+        # each shard applied the configured TCP buffers to the client's connection (Linux doubles them)
+        for shard in all_stats(client):
+            assert set(tcp_buffers(int(shard["endpoint"].rsplit(":", 1)[1]))) == {(128 << 10, 128 << 10)}
         assert {s["sequences"] for s in all_stats(client)} != {0}
         wait_until(lambda: levels_converged(client, "q8")[0], timeout_s=30, what="every shard at q8")
         (q8_epoch,) = levels_converged(client, "q8")[1]

@@ -15,11 +15,14 @@ import pytest
 import zmq
 
 from kvd.client import Client
+from kvd.errors import ConfigError
 from kvd.store import Store
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.wire import protocol as p
 from kvd.wire.server import BULK_MIN_BYTES, ShardServer
+
+from tcp_buffers import tcp_buffers  # isort: skip  (tests/integration/tcp_buffers.py)
 
 NS = "lanes"
 LAYOUT = {"num_layers": 4, "num_kv_heads": 8, "head_dim": 128}
@@ -212,3 +215,28 @@ def test_a_shard_moves_bytes_on_two_io_threads(server: ShardServer) -> None:
     """ZeroMQ gives each connection to one I/O thread: a shard has two, so a decode step's connection shares
     its I/O thread with at most about half of the prefilling ones."""
     assert server._ctx is not None and server._ctx.get(zmq.IO_THREADS) == 2
+
+
+def test_socket_buffer_bytes_sets_every_connections_tcp_buffers() -> None:
+    """A deployment can bound what ZeroMQ's I/O threads move per turn for one connection (the decode tail under
+    prefills, docs/design.md); by default the system's autotuned buffers are kept."""
+    store = Store(1 << 28)
+    store.register(NS, **LAYOUT)
+    sized = ShardServer(store, shard_id="sized", recycle_memory=False, socket_buffer_bytes=48 << 10)
+    plain = ShardServer(store, shard_id="plain", recycle_memory=False)
+    with sized, plain:
+        k, v = kv(300, 1)  # ~4.8 MB each way: autotuned buffers grow past their initial size
+        for srv in (sized, plain):
+            with Client(srv.endpoint) as client:
+                client.append(NS, srv.shard_id, k, v)
+                assert np.array_equal(client.get(NS, srv.shard_id)[0], k)
+                port = int(srv.endpoint.rsplit(":", 1)[1])
+                buffers = tcp_buffers(port)
+                assert buffers, f"no connection found on port {port}"
+                if srv is sized:
+                    assert buffers == [(2 * (48 << 10), 2 * (48 << 10))]  # Linux doubles SO_RCVBUF/SO_SNDBUF
+                else:
+                    assert all(rb != 2 * (48 << 10) for rb, _ in buffers)
+    for bad in (-1, 1, 4095, True, 1.5):
+        with pytest.raises(ConfigError, match="socket_buffer_bytes"):
+            ShardServer(store, shard_id="bad", recycle_memory=False, socket_buffer_bytes=bad)  # type: ignore[arg-type]

@@ -66,7 +66,7 @@ from kvd.wire.server.lane import BulkLane
 from kvd.wire.sockets import HANDSHAKE_TIMEOUT_S, ConnectionGuard, recv_frames, send_frames
 
 __all__ = ["DEFAULT_HWM", "DEFAULT_LINGER_S", "DEFAULT_MAX_QUEUED_BYTES", "DEFAULT_MAX_QUEUED_REQUESTS",
-           "IDLE_TICK_S", "RouterServer"]
+           "IDLE_TICK_S", "MIN_SOCKET_BUFFER_BYTES", "RouterServer"]
 
 log = logging.getLogger("kvd.wire.server")
 
@@ -76,6 +76,7 @@ DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader be
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
+MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
@@ -138,7 +139,7 @@ class RouterServer:
                  max_queued_requests: int, max_queued_bytes: int, hwm: int,
                  heartbeat_ivl_s: float, heartbeat_timeout_s: float, linger_s: float,
                  max_inbound_bytes: int | None = None, max_reply_bytes: int | None = None,
-                 guard_interval_s: float = GUARD_INTERVAL_S) -> None:
+                 guard_interval_s: float = GUARD_INTERVAL_S, socket_buffer_bytes: int = 0) -> None:
         if curve is not None and not isinstance(curve, CurveConfig):
             raise ConfigError(f"curve must be a CurveConfig, got {type(curve).__name__}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -155,6 +156,11 @@ class RouterServer:
                             ("max_reply_bytes", max_reply_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(socket_buffer_bytes, bool) or not isinstance(socket_buffer_bytes, int) \
+                or socket_buffer_bytes < 0 or 0 < socket_buffer_bytes < MIN_SOCKET_BUFFER_BYTES:
+            raise ConfigError(f"socket_buffer_bytes must be 0 (the system's, autotuned) or at least "
+                              f"{MIN_SOCKET_BUFFER_BYTES}, got {socket_buffer_bytes!r}")
+        self._socket_buffer = socket_buffer_bytes
         if max_inbound_bytes < self._limits.max_message_bytes:
             raise ConfigError(f"max_inbound_bytes {max_inbound_bytes} is less than max_message_bytes "
                               f"{self._limits.max_message_bytes}: the largest legal request would be cut")
@@ -252,6 +258,9 @@ class RouterServer:
         sock.setsockopt(zmq.HEARTBEAT_TTL, int(timeout * 1000))  # peers drop us when we stop heartbeating
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_TIMEOUT_S * 1000))  # garbage peers are cut
         sock.setsockopt(zmq.RCVTIMEO, int(IDLE_TICK_S * 1000))
+        if self._socket_buffer:  # every accepted connection's SO_SNDBUF / SO_RCVBUF (see ShardServer)
+            sock.setsockopt(zmq.SNDBUF, self._socket_buffer)
+            sock.setsockopt(zmq.RCVBUF, self._socket_buffer)
         # A ZAP domain makes ZeroMQ refuse ZMTP 1.0 peers, i.e. anything whose first byte is not 0xFF: without
         # it a peer sending random bytes is taken for a 1.0 peer and held open for good (the handshake timeout
         # ends with the greeting). With NULL security and no ZAP handler every ZMTP 3 peer is still admitted.

@@ -51,7 +51,10 @@ class ShardServer(RouterServer):
     ``compact_every`` (requests between compaction steps under load), ``max_queued_requests`` /
     ``max_queued_bytes`` (admission; beyond them requests get ``Busy``), ``hwm`` (ZeroMQ SNDHWM/RCVHWM per peer),
     ``heartbeat_ivl_s`` / ``heartbeat_timeout_s``, ``linger_s``, ``recycle_memory`` (:meth:`start` calls
-    :func:`tune_malloc`, process-wide: meant for a process that hosts shards).
+    :func:`tune_malloc`, process-wide: meant for a process that hosts shards), ``socket_buffer_bytes`` (0: the
+    system's autotuned TCP buffers; else each connection's send and receive buffer: smaller buffers make
+    ZeroMQ's I/O threads move a prefill's MiBs in shorter turns, so a decode step waits less behind them, but
+    they cap one connection's throughput at about the buffer per network round trip; docs/design.md).
 
     In a cluster (kvd.cluster.shard): ``incarnation`` (this process's id, told to a ``hello`` that asks and
     checked against an ``append`` that names one), ``on_register`` (called with ``(namespace, (layers,
@@ -72,10 +75,11 @@ class ShardServer(RouterServer):
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  linger_s: float = DEFAULT_LINGER_S, recycle_memory: bool = True, incarnation: str | None = None,
                  on_register: Callable[[str, tuple[int, int, int]], None] | None = None,
-                 starting: bool = False) -> None:
+                 starting: bool = False, socket_buffer_bytes: int = 0) -> None:
         super().__init__(host=host, port=port, limits=limits, curve=curve, max_queued_requests=max_queued_requests,
                          max_queued_bytes=max_queued_bytes, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
-                         heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s)
+                         heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s,
+                         socket_buffer_bytes=socket_buffer_bytes)
         self._store = store
         self._pack_frame_bytes = min(PACK_FRAME_BYTES, self._limits.max_frame_bytes)  # packed pages replies
         self._shard_id = p.check_short_text("shard_id", shard_id, ConfigError)
