@@ -21,7 +21,8 @@ Part 3, decode-step latency under mixed load (issue 19; ``--decode-only`` runs j
 in rotation, one at a time, while ``--clients`` other client processes each loop: append a 512-token prefill
 chunk (64 MiB) to a sequence of their own, read it back whole, drop it. Rounds of ``--decode-seconds`` alternate
 quiet (the decode client alone) and loaded; reported per round and as the median over rounds of each kind:
-decode-step append latency p50 / p99 / p999, and the prefill clients' chunks per second.
+decode-step append latency p50 / p99 / p999, and the prefill clients' chunks per second. ``--socket-buffer 256KiB``
+runs the shards with ``cluster.shard_socket_buffer_bytes`` (docs/design.md, "Small requests never wait ...").
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ def _decode_latency(args: argparse.Namespace) -> None:
     config = load_config(env={}, overrides={
         "cluster.namespace": ns, "cluster.port": 0, "cluster.shards": args.shards,
         "cluster.memory_bytes": args.memory, "cluster.shard_cpus": 0, "store.eviction": "lru",
+        "cluster.shard_socket_buffer_bytes": args.socket_buffer,
     })
     deployment = deploy(config)
     ctx = mp.get_context("spawn")
@@ -218,7 +220,8 @@ def _decode_latency(args: argparse.Namespace) -> None:
             print(f"\n## Decode-step latency under mixed load: {args.shards} shards, 7B-class layout, one token "
                   f"all layers ({step.nbytes * 2 >> 10} KiB) per append; loaded = {args.clients} other clients "
                   f"each appending {args.prefill}-token chunks ({step.nbytes * 2 * args.prefill >> 20} MiB), "
-                  f"reading them back and dropping them (prefill clients at nice {args.prefill_nice})\n")
+                  f"reading them back and dropping them (prefill clients at nice {args.prefill_nice}; shard "
+                  f"socket buffers {'autotuned' if args.socket_buffer == '0' else args.socket_buffer})\n")
             print("| round | load | decode appends | p50 ms | p99 ms | p999 ms | max ms | prefill chunks/s |")
             print("|---|---|---|---|---|---|---|---|")
             for rnd in range(2 * args.decode_rounds):
@@ -300,6 +303,8 @@ def main() -> None:
     parser.add_argument("--prefill-nice", type=int, default=0,
                         help="run part 3's prefill clients at this nice value: on one machine their CPU competes "
                              "with the shards' and the decode client's, as it would not from other machines")
+    parser.add_argument("--socket-buffer", default="0", metavar="SIZE",
+                        help="part 3's cluster.shard_socket_buffer_bytes, e.g. 256KiB (default 0: the system's)")
     args = parser.parse_args()
     args.seconds = args.seconds or (3.0 if args.quick else 15.0)
     args.repeats = args.repeats or (1 if args.quick else 5)

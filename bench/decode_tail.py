@@ -11,6 +11,8 @@ median over rounds of each tree: decode-step p50 / p99 / p999 and the prefill ch
     git worktree add /tmp/kvd-before <commit>; cp kvd/codec/_kernels*.so /tmp/kvd-before/kvd/codec/
     KVD_PURE_PYTHON=1 python bench/decode_tail.py --other /tmp/kvd-before   # A/B, both trees from source
     python bench/decode_tail.py --prefill-nice 19   # prefill clients yield the CPU, as clients on other machines
+    python bench/decode_tail.py --socket-buffer 262144   # also with the shard's socket buffers at 256 KiB
+    python bench/decode_tail.py --decode-nice -10   # the decode client first for the CPU (as root)
 
 ``--other`` trees run from source (``KVD_PURE_PYTHON=1`` makes this checkout do the same, for a fair A/B); they
 need the kernel extension built or copied in, as above (the kernels are unchanged between the trees compared).
@@ -42,7 +44,7 @@ def _use(src: str) -> None:
         del sys.modules[name]
 
 
-def _server(conn: Any, src: str) -> None:
+def _server(conn: Any, src: str, socket_buffer: int) -> None:
     """A ShardServer whose loop stamps, for every decode step (the only requests of 64 KiB to 1 MiB here), when
     it was received and when its run started and ended; sends the (wait, run) pairs at the end.
     (A diagnostic: it wraps private methods of kvd.wire.server, in both trees.)"""
@@ -50,7 +52,7 @@ def _server(conn: Any, src: str) -> None:
     from kvd.store import Store
     from kvd.wire.server import ShardServer
 
-    server = ShardServer(Store(4 << 30, eviction="lru"), shard_id="decode-tail")
+    server = ShardServer(Store(4 << 30, eviction="lru"), shard_id="decode-tail", socket_buffer_bytes=socket_buffer)
     arrived: dict[int, float] = {}
     spans: list[tuple[float, float]] = []
     admit, run = server._admit, server._run
@@ -95,10 +97,38 @@ def _prefill(endpoint: str, src: str, index: int, tokens: int, nice: int, stop: 
                 done.value += 1
 
 
-def _round(src: str, args: argparse.Namespace) -> dict[str, float]:
+def _decoder(endpoint: str, src: str, seconds: float, nice: int, conn: Any) -> None:
+    """The decode client: steps appended one at a time for ``seconds``; sends back the latencies (ms)."""
+    _use(src)
+    if nice:
+        os.nice(nice)  # before the client's ZeroMQ context: its I/O thread inherits the priority
+    from kvd.client import Client
+
+    step = np.random.default_rng(99).standard_normal((LAYERS, 1, HEADS, DIM), dtype=np.float32).astype(np.float16)
+    lengths = dict.fromkeys(range(DECODE_SEQS), 0)
+    lat: list[float] = []
+    with Client(endpoint, timeout_s=60.0) as client:
+        conn.send("ready")
+        conn.recv()
+        t0 = time.perf_counter()
+        i = 0
+        while time.perf_counter() < t0 + seconds:
+            s = i % DECODE_SEQS
+            i += 1
+            if lengths[s] >= DECODE_MAX_TOKENS:
+                client.drop(NS, f"decode-{s}")
+                lengths[s] = 0
+            t = time.perf_counter()
+            client.append(NS, f"decode-{s}", step, step)
+            lat.append(time.perf_counter() - t)
+            lengths[s] += 1
+    conn.send(lat)
+
+
+def _round(src: str, socket_buffer: int, args: argparse.Namespace) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    server = ctx.Process(target=_server, args=(there, src), daemon=True)
+    server = ctx.Process(target=_server, args=(there, src, socket_buffer), daemon=True)
     server.start()
     endpoint = here.recv()
     _use(src)
@@ -107,35 +137,30 @@ def _round(src: str, args: argparse.Namespace) -> dict[str, float]:
     stop, done = ctx.Event(), ctx.Value("l", 0)
     workers = [ctx.Process(target=_prefill, args=(endpoint, src, i, args.prefill, args.prefill_nice, stop, done),
                            daemon=True) for i in range(args.clients)]
+    mine, theirs = ctx.Pipe()
+    decoder = ctx.Process(target=_decoder, args=(endpoint, src, args.seconds, args.decode_nice, theirs),
+                          daemon=True)
     try:
         with Client(endpoint, timeout_s=60.0) as client:
             client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
-            for w in workers:
-                w.start()
-            time.sleep(2.0)  # the prefill clients are under way
-            step = np.random.default_rng(99).standard_normal((LAYERS, 1, HEADS, DIM), dtype=np.float32)
-            step = step.astype(np.float16)
-            lengths = dict.fromkeys(range(DECODE_SEQS), 0)
-            lat: list[float] = []
-            before, t0 = done.value, time.perf_counter()
-            i = 0
-            while time.perf_counter() < t0 + args.seconds:
-                s = i % DECODE_SEQS
-                i += 1
-                if lengths[s] >= DECODE_MAX_TOKENS:
-                    client.drop(NS, f"decode-{s}")
-                    lengths[s] = 0
-                t = time.perf_counter()
-                client.append(NS, f"decode-{s}", step, step)
-                lat.append(time.perf_counter() - t)
-                lengths[s] += 1
-            chunks = (done.value - before) / (time.perf_counter() - t0)
+        decoder.start()
+        mine.recv()
+        for w in workers:
+            w.start()
+        time.sleep(2.0)  # the prefill clients are under way
+        before, t0 = done.value, time.perf_counter()
+        mine.send("go")
+        lat = mine.recv()
+        chunks = (done.value - before) / (time.perf_counter() - t0)
+        decoder.join(10)
     finally:
         stop.set()
         for w in workers:
             w.join(60)
             if w.is_alive():
                 w.kill()
+        if decoder.is_alive():
+            decoder.kill()
         here.send("stop")
         spans = np.array(here.recv() or [(0.0, 0.0)]) * 1e3
         server.join(10)
@@ -154,24 +179,31 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512, help="tokens per prefill chunk (default 512: 64 MiB)")
     ap.add_argument("--prefill-nice", type=int, default=0, help="nice value added to the prefill clients")
     ap.add_argument("--seconds", type=float, default=15.0, help="length of a round (default 15)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds per tree (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per variant (default 3)")
+    ap.add_argument("--socket-buffer", type=int, default=0, metavar="BYTES",
+                    help="also run this checkout with the shard's socket_buffer_bytes at BYTES (a third variant)")
+    ap.add_argument("--decode-nice", type=int, default=0,
+                    help="nice value added to the decode client (negative: needs root or CAP_SYS_NICE)")
     args = ap.parse_args()
-    trees = [("this", HERE)] + ([("other", str(Path(args.other).resolve()))] if args.other else [])
+    trees = [("this", HERE, 0)] + ([("other", str(Path(args.other).resolve()), 0)] if args.other else [])
+    if args.socket_buffer:
+        trees.append((f"this, buffers {args.socket_buffer >> 10} KiB", HERE, args.socket_buffer))
     print(f"decode steps (128 KiB) on one shard while {args.clients} clients prefill {args.prefill}-token chunks "
-          f"({args.prefill * LAYERS * HEADS * DIM * 4 >> 20} MiB) at nice +{args.prefill_nice}; "
+          f"({args.prefill * LAYERS * HEADS * DIM * 4 >> 20} MiB) at nice +{args.prefill_nice}, decode client "
+          f"at nice {args.decode_nice:+d}; "
           f"{os.cpu_count()} CPUs; this = {HERE}" + (f", other = {trees[1][1]}" if args.other else ""))
     print("\nclient: each decode step's round trip; server: the shard's loop, for each decode step: time queued "
           "before it ran (wait), its run (parse, store, reply), and the two together (served)\n")
     print("| round | tree | decode appends | p50 ms | p99 ms | p999 ms | server wait p99 | server run p99 | "
           "server served p99 | prefill chunks/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name, _ in trees}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in trees}
     for rnd in range(args.rounds):
-        for name, src in trees:
-            r = _round(src, args)
+        for name, src, buffer in trees:
+            r = _round(src, buffer, args)
             rows[name].append(r)
             print(_row(str(rnd), name, r), flush=True)
-    for name, _ in trees:
+    for name, _, _ in trees:
         print(_row("median", name, {k: statistics.median(r[k] for r in rows[name]) for k in rows[name][0]}))
 
 

@@ -636,7 +636,12 @@ def main() -> int:
                 peers[name] = cls(py)
             except Exception as exc:  # noqa: BLE001 - a peer that does not start is reported and left out
                 print(f"{name} could not be started ({exc}): its columns are skipped")
-    sizes = {label: SIZES[label] for label in (x.strip() for x in args.sizes.split(",")) if label}
+    labels = [x.strip() for x in args.sizes.split(",") if x.strip()]
+    unknown = [label for label in labels if label not in SIZES]
+    if unknown:
+        ap.error(f"--sizes: unknown {', '.join(map(repr, unknown))}; use a comma-separated list of "
+                 f"{', '.join(map(repr, SIZES))}")
+    sizes = {label: SIZES[label] for label in labels}
     rows: list[tuple[str, int, dict[str, float]]] = []
     try:
         raw = Raw(raw_ep)

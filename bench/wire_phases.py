@@ -18,12 +18,23 @@ methods of kvd.client.Client and kvd.wire.server.ShardServer, so it moves with t
     python bench/wire_phases.py --op append
     python bench/wire_phases.py --tokens 2048 --level q4 --format pages --requests 300
     KVD_PURE_PYTHON=1 python bench/wire_phases.py       # the same with every module from source
+
+``--threads`` measures instead the CPU each thread of both processes spends per request, for gets answered by
+three servers in alternating rounds, one request at a time and 8 in flight:
+
+    raw zmq      bench/wire.py's ROUTER that sends a stored frame back (the transport limit), raw DEALER client
+    kvd          a ShardServer (fp16), kvd.client.Client
+    kvd shape    a bare ROUTER loop that answers each get with the encoded frames of a kvd get reply made once,
+                 only the request id re-packed (kvd's message shape and client, with almost no server work)
+
+    python bench/wire_phases.py --threads --tokens 16    # 64 KiB gets
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -79,6 +90,131 @@ def server(conn: Any, level: str, n: int, capacity_bytes: int) -> None:
     srv.stop()
 
 
+def shape_server(conn: Any) -> None:
+    """kvd's reply shape with almost no server work: a ROUTER loop serving kvd's requests through a (never
+    started) ShardServer's own parse and execute, except gets after the first, which are answered with the first
+    get's encoded reply frames, only the header's request id re-packed."""
+    import msgpack
+    import zmq
+
+    from kvd.store import Store
+    from kvd.wire import protocol as p
+    from kvd.wire.server import ShardServer, tune_malloc
+
+    tune_malloc()
+    shard = ShardServer(Store(wire.GET_CAPACITY_BYTES, eviction="lru"), shard_id="shape")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    conn.send(f"tcp://127.0.0.1:{port}")
+    header: dict[str, Any] | None = None
+    body: list[bytes] = []
+    while True:
+        msg = sock.recv_multipart(copy=False)
+        if header is not None:
+            head = msgpack.unpackb(msg[1].buffer)
+            if head.get("op") == "get":
+                header["id"] = head["id"]
+                sock.send_multipart([msg[0], msgpack.packb(header), *body], copy=False)
+                continue
+        req = p.parse_request([f.buffer for f in msg[1:]])
+        frames = p.encode_reply(req if isinstance(req, p.ErrorReply) else shard._execute(req))
+        if isinstance(req, p.GetRequest):
+            header, body = msgpack.unpackb(frames[0]), [bytes(f) for f in frames[1:]]
+        sock.send_multipart([msg[0], *frames], copy=False)
+
+
+Threads = dict[int, tuple[str, float]]  # tid -> (thread name, CPU seconds so far)
+
+
+def _thread_cpu(pid: int) -> Threads:
+    """CPU seconds (user + system) of every thread of ``pid`` so far: tid -> (name, seconds)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                st = fh.read()
+        except FileNotFoundError:
+            continue
+        fields = st[st.rindex(")") + 2:].split()
+        out[int(tid)] = (st[st.index("(") + 1: st.rindex(")")], (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _split(before: Threads, after: Threads) -> tuple[float, float, float]:
+    """(app, ZeroMQ I/O, other) CPU seconds between two :func:`_thread_cpu` looks. The app thread is the busiest
+    thread that is not ZeroMQ's (the serving loop, or the client's calling thread)."""
+    io, rest = 0.0, []
+    for tid, (name, cpu) in after.items():
+        used = cpu - before.get(tid, (name, 0.0))[1]
+        if name.startswith("ZMQbg/IO"):
+            io += used
+        else:
+            rest.append(used)
+    rest.sort()
+    return (rest[-1] if rest else 0.0), io, sum(rest[:-1])
+
+
+def threads_only(tokens: int, seconds: float, rounds: int = 3) -> int:
+    from kvd.client import recycle_buffers
+
+    recycle_buffers()  # as bench/wire.py's client process: pipelined MiB replies reuse warm buffers
+    size = tokens * wire.TOKEN_BYTES
+    servers = {"raw zmq": wire.start(wire.raw_server), "kvd": wire.start(wire.kvd_server, "fp16",
+                                                                           wire.GET_CAPACITY_BYTES),
+               "kvd shape": wire.start(shape_server)}
+    k, v = wire.kv(tokens)
+    batches: dict[tuple[str, int], Any] = {}
+    try:
+        for name, (_, endpoint, _) in servers.items():
+            if name == "raw zmq":
+                raw = wire.Raw(endpoint)
+                raw.batch(b"P", size, bytes(size), 1)()
+                for n in (1, 8):
+                    batches[name, n] = raw.batch(b"G", size, None, n)
+                continue
+            client = Client(endpoint, timeout_s=60)
+            client.register(wire.NS, num_layers=wire.LAYERS, num_kv_heads=wire.HEADS, head_dim=wire.DIM)
+            client.append(wire.NS, "read", k, v)
+            for n in (1, 8):
+                def batch(client: Client = client, n: int = n) -> None:
+                    if n == 1:
+                        client.get(wire.NS, "read")
+                    else:
+                        for pending in [client.get_nowait(wire.NS, "read") for _ in range(n)]:
+                            pending.result()
+                batches[name, n] = batch
+        per: dict[tuple[str, int], list[tuple[float, ...]]] = {key: [] for key in batches}
+        me = os.getpid()
+        for _ in range(rounds):
+            for (name, n), batch in batches.items():
+                for _ in range(50):
+                    batch()
+                pid = servers[name][0].pid
+                s0, c0, t0, done = _thread_cpu(pid), _thread_cpu(me), time.perf_counter(), 0
+                while time.perf_counter() - t0 < seconds / rounds:
+                    batch()
+                    done += n
+                wall = time.perf_counter() - t0
+                s_app, s_io, s_other = _split(s0, _thread_cpu(pid))
+                c_app, c_io, c_other = _split(c0, _thread_cpu(me))
+                per[name, n].append(tuple(x / done * 1e6 for x in (wall, s_app, s_io, s_other, c_app, c_io,
+                                                                   c_other)))
+    finally:
+        for proc, _, _ in servers.values():
+            proc.kill()
+    print(f"gets of {tokens} token(s) ({size >> 10} KiB), CPU per request by thread (us; medians of {rounds} "
+          f"rounds of {seconds / rounds:.1f} s; the clock ticks at 10 ms, so small shares are approximate)")
+    print("| server | in flight | wall | server app | server ZeroMQ I/O | server other | client app | "
+          "client ZeroMQ I/O | client other | CPU total |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (name, n), rows in per.items():
+        med = [statistics.median(r[j] for r in rows) for j in range(7)]
+        print(f"| {name} | {n} | " + " | ".join(f"{x:.0f}" for x in med) + f" | {sum(med[1:]):.0f} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--op", choices=("get", "append"), default="get")
@@ -86,7 +222,12 @@ def main() -> int:
     ap.add_argument("--level", default="fp16", help="the store's level (pages are compacted to it first)")
     ap.add_argument("--format", choices=("fp16", "pages"), default="fp16", help="get's reply format")
     ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--threads", action="store_true",
+                    help="CPU per request of each thread of both processes: raw zmq vs kvd vs kvd's shape (gets)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="with --threads: seconds per server and depth")
     args = ap.parse_args()
+    if args.threads:
+        return threads_only(args.tokens, args.seconds)
     n = args.requests
     # appends run against bench/wire.py's smaller store, so that the warm-up fills it and the measured ones are
     # the steady state (LRU eviction recycling memory), not a store still growing into fresh pages
