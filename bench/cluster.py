@@ -21,8 +21,9 @@ Part 3, decode-step latency under mixed load (issue 19; ``--decode-only`` runs j
 in rotation, one at a time, while ``--clients`` other client processes each loop: append a 512-token prefill
 chunk (64 MiB) to a sequence of their own, read it back whole, drop it. Rounds of ``--decode-seconds`` alternate
 quiet (the decode client alone) and loaded; reported per round and as the median over rounds of each kind:
-decode-step append latency p50 / p99 / p999, and the prefill clients' chunks per second. ``--socket-buffer 256KiB``
-runs the shards with ``cluster.shard_socket_buffer_bytes`` (docs/design.md, "Small requests never wait ...").
+decode-step append latency p50 / p99 / p999, and the prefill clients' chunks per second. ``--socket-buffer 0``
+runs the shards with the system's autotuned TCP buffers instead of the loopback default, 256 KiB
+(``cluster.shard_socket_buffer_bytes``; docs/design.md, "Small requests never wait ...").
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def _decode_latency(args: argparse.Namespace) -> None:
     config = load_config(env={}, overrides={
         "cluster.namespace": ns, "cluster.port": 0, "cluster.shards": args.shards,
         "cluster.memory_bytes": args.memory, "cluster.shard_cpus": 0, "store.eviction": "lru",
-        "cluster.shard_socket_buffer_bytes": args.socket_buffer,
+        **({} if args.socket_buffer is None else {"cluster.shard_socket_buffer_bytes": args.socket_buffer}),
     })
     deployment = deploy(config)
     ctx = mp.get_context("spawn")
@@ -221,7 +222,7 @@ def _decode_latency(args: argparse.Namespace) -> None:
                   f"all layers ({step.nbytes * 2 >> 10} KiB) per append; loaded = {args.clients} other clients "
                   f"each appending {args.prefill}-token chunks ({step.nbytes * 2 * args.prefill >> 20} MiB), "
                   f"reading them back and dropping them (prefill clients at nice {args.prefill_nice}; shard "
-                  f"socket buffers {'autotuned' if args.socket_buffer == '0' else args.socket_buffer})\n")
+                  f"socket buffers {args.socket_buffer or 'of the loopback default'})\n")
             print("| round | load | decode appends | p50 ms | p99 ms | p999 ms | max ms | prefill chunks/s |")
             print("|---|---|---|---|---|---|---|---|")
             for rnd in range(2 * args.decode_rounds):
@@ -303,8 +304,9 @@ def main() -> None:
     parser.add_argument("--prefill-nice", type=int, default=0,
                         help="run part 3's prefill clients at this nice value: on one machine their CPU competes "
                              "with the shards' and the decode client's, as it would not from other machines")
-    parser.add_argument("--socket-buffer", default="0", metavar="SIZE",
-                        help="part 3's cluster.shard_socket_buffer_bytes, e.g. 256KiB (default 0: the system's)")
+    parser.add_argument("--socket-buffer", default=None, metavar="SIZE",
+                        help="part 3's cluster.shard_socket_buffer_bytes, e.g. 256KiB, or 0 for the system's "
+                             "autotuned buffers (default: unset, 256 KiB for these loopback shards)")
     args = parser.parse_args()
     args.seconds = args.seconds or (3.0 if args.quick else 15.0)
     args.repeats = args.repeats or (1 if args.quick else 5)

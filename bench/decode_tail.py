@@ -11,7 +11,7 @@ median over rounds of each tree: decode-step p50 / p99 / p999 and the prefill ch
     git worktree add /tmp/kvd-before <commit>; cp kvd/codec/_kernels*.so /tmp/kvd-before/kvd/codec/
     KVD_PURE_PYTHON=1 python bench/decode_tail.py --other /tmp/kvd-before   # A/B, both trees from source
     python bench/decode_tail.py --prefill-nice 19   # prefill clients yield the CPU, as clients on other machines
-    python bench/decode_tail.py --socket-buffer 262144   # also with the shard's socket buffers at 256 KiB
+    python bench/decode_tail.py --socket-buffer 0   # also with the system's autotuned socket buffers (a variant)
     python bench/decode_tail.py --decode-nice -10   # the decode client first for the CPU (as root)
 
 ``--other`` trees run from source (``KVD_PURE_PYTHON=1`` makes this checkout do the same, for a fair A/B); they
@@ -44,7 +44,7 @@ def _use(src: str) -> None:
         del sys.modules[name]
 
 
-def _server(conn: Any, src: str, socket_buffer: int) -> None:
+def _server(conn: Any, src: str, socket_buffer: int | None) -> None:
     """A ShardServer whose loop stamps, for every decode step (the only requests of 64 KiB to 1 MiB here), when
     it was received and when its run started and ended; sends the (wait, run) pairs at the end.
     (A diagnostic: it wraps private methods of kvd.wire.server, in both trees.)"""
@@ -52,7 +52,8 @@ def _server(conn: Any, src: str, socket_buffer: int) -> None:
     from kvd.store import Store
     from kvd.wire.server import ShardServer
 
-    server = ShardServer(Store(4 << 30, eviction="lru"), shard_id="decode-tail", socket_buffer_bytes=socket_buffer)
+    options = {} if socket_buffer is None else {"socket_buffer_bytes": socket_buffer}  # older trees: the default
+    server = ShardServer(Store(4 << 30, eviction="lru"), shard_id="decode-tail", **options)
     arrived: dict[int, float] = {}
     spans: list[tuple[float, float]] = []
     admit, run = server._admit, server._run
@@ -125,7 +126,7 @@ def _decoder(endpoint: str, src: str, seconds: float, nice: int, conn: Any) -> N
     conn.send(lat)
 
 
-def _round(src: str, socket_buffer: int, args: argparse.Namespace) -> dict[str, float]:
+def _round(src: str, socket_buffer: int | None, args: argparse.Namespace) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     server = ctx.Process(target=_server, args=(there, src, socket_buffer), daemon=True)
@@ -180,14 +181,18 @@ def main() -> None:
     ap.add_argument("--prefill-nice", type=int, default=0, help="nice value added to the prefill clients")
     ap.add_argument("--seconds", type=float, default=15.0, help="length of a round (default 15)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per variant (default 3)")
-    ap.add_argument("--socket-buffer", type=int, default=0, metavar="BYTES",
-                    help="also run this checkout with the shard's socket_buffer_bytes at BYTES (a third variant)")
+    ap.add_argument("--socket-buffer", type=int, default=None, metavar="BYTES",
+                    help="also run this checkout with the shard's socket_buffer_bytes at BYTES (0: the system's "
+                         "autotuned buffers), a variant beside its default (256 KiB on loopback)")
     ap.add_argument("--decode-nice", type=int, default=0,
                     help="nice value added to the decode client (negative: needs root or CAP_SYS_NICE)")
     args = ap.parse_args()
-    trees = [("this", HERE, 0)] + ([("other", str(Path(args.other).resolve()), 0)] if args.other else [])
-    if args.socket_buffer:
-        trees.append((f"this, buffers {args.socket_buffer >> 10} KiB", HERE, args.socket_buffer))
+    trees: list[tuple[str, str, int | None]] = [("this", HERE, None)]
+    if args.other:
+        trees.append(("other", str(Path(args.other).resolve()), None))
+    if args.socket_buffer is not None:
+        label = f"{args.socket_buffer >> 10} KiB" if args.socket_buffer else "autotuned"
+        trees.append((f"this, buffers {label}", HERE, args.socket_buffer))
     print(f"decode steps (128 KiB) on one shard while {args.clients} clients prefill {args.prefill}-token chunks "
           f"({args.prefill * LAYERS * HEADS * DIM * 4 >> 20} MiB) at nice +{args.prefill_nice}, decode client "
           f"at nice {args.decode_nice:+d}; "

@@ -215,10 +215,12 @@ class ClusterSettings:
         "head"
     )
     shard_cpus: float = _setting(1.0, number_in(0.0, 1024.0), "logical CPUs Ray reserves per shard (0 = none)")
-    shard_socket_buffer_bytes: int = _setting(
-        0, size_at_least(4 * KIB, or_zero=True), "TCP send and receive buffer of each connection to a shard (0 = "
-        "the system's, autotuned): smaller buffers cut how long a small request waits behind other clients' "
-        "MiB transfers, but cap one connection at about buffer / network round trip (docs/design.md)"
+    shard_socket_buffer_bytes: int | None = _setting(
+        None, optional(size_at_least(4 * KIB, or_zero=True)), "TCP send and receive buffer of each connection to "
+        "a shard; unset: 256 KiB where shards bind a loopback address (kvd up's default), else the system's "
+        "autotuned buffers; 0: always the system's. Smaller buffers cut how long a small request waits behind "
+        "other clients' MiB transfers, but cap one connection at about buffer / network round trip "
+        "(docs/design.md)"
     )
     num_cpus: int | None = _setting(
         None,

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import fcntl
+import ipaddress
 import logging
 import os
 import socket
@@ -15,14 +16,15 @@ import struct
 import termios
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.backend
 
 __all__ = ["COPY_BELOW_BYTES", "COPY_THRESHOLD_BYTES", "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S",
-           "HANDSHAKE_TIMEOUT_S", "ConnectionGuard", "recv_frames", "send_frames", "trim_malloc", "tune_malloc",
-           "wire_bytes"]
+           "HANDSHAKE_TIMEOUT_S", "ConnectionGuard", "is_loopback", "recv_frames", "send_frames",
+           "socket_buffer_cap", "trim_malloc", "tune_malloc", "wire_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,28 @@ def tune_malloc(*, mmap_threshold_bytes: int = MALLOC_MMAP_THRESHOLD_BYTES,
     return bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold_bytes)) == 1
                 and mallopt(_M_TRIM_THRESHOLD, int(trim_threshold_bytes)) == 1
                 and mallopt(_M_ARENA_MAX, 1) == 1)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback, where only local clients
+    connect."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def socket_buffer_cap() -> int | None:
+    """The largest TCP buffer a process may set without CAP_NET_ADMIN: the smaller of Linux's
+    ``net.core.rmem_max`` and ``net.core.wmem_max`` (a larger SO_RCVBUF / SO_SNDBUF is silently cut to it); None
+    where they cannot be read."""
+    try:
+        caps = [int(Path(f"/proc/sys/net/core/{name}").read_text()) for name in ("rmem_max", "wmem_max")]
+    except (OSError, ValueError):
+        return None
+    return min(caps)
 
 
 def trim_malloc() -> bool:

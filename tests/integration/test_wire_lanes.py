@@ -20,7 +20,8 @@ from kvd.store import Store
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.wire import protocol as p
-from kvd.wire.server import BULK_MIN_BYTES, ShardServer
+from kvd.wire.server import BULK_MIN_BYTES, LOOPBACK_SOCKET_BUFFER_BYTES, ShardServer, loop
+from kvd.wire.sockets import is_loopback, socket_buffer_cap
 
 from tcp_buffers import tcp_buffers  # isort: skip  (tests/integration/tcp_buffers.py)
 
@@ -217,26 +218,40 @@ def test_a_shard_moves_bytes_on_two_io_threads(server: ShardServer) -> None:
     assert server._ctx is not None and server._ctx.get(zmq.IO_THREADS) == 2
 
 
-def test_socket_buffer_bytes_sets_every_connections_tcp_buffers() -> None:
+def test_socket_buffer_bytes_sets_every_connections_tcp_buffers(caplog: pytest.LogCaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A deployment can bound what ZeroMQ's I/O threads move per turn for one connection (the decode tail under
-    prefills, docs/design.md); by default the system's autotuned buffers are kept."""
+    prefills, docs/design.md): a size it names, 256 KiB by default on loopback, the system's autotuned buffers
+    with 0 (and by default on other addresses)."""
     store = Store(1 << 28)
     store.register(NS, **LAYOUT)
-    sized = ShardServer(store, shard_id="sized", recycle_memory=False, socket_buffer_bytes=48 << 10)
-    plain = ShardServer(store, shard_id="plain", recycle_memory=False)
-    with sized, plain:
-        k, v = kv(300, 1)  # ~4.8 MB each way: autotuned buffers grow past their initial size
-        for srv in (sized, plain):
+    k, v = kv(300, 1)  # ~4.8 MB each way: autotuned buffers grow past their initial size
+    cap = socket_buffer_cap()
+    assert cap is not None  # Linux
+    loopback = 2 * min(LOOPBACK_SOCKET_BUFFER_BYTES, cap)  # Linux doubles what it is asked, after the cap
+    expected = {48 << 10: 2 * (48 << 10), None: loopback, 0: None}
+    for size, want in expected.items():
+        with ShardServer(store, shard_id=f"buffers-{size}", recycle_memory=False, socket_buffer_bytes=size) as srv:
             with Client(srv.endpoint) as client:
                 client.append(NS, srv.shard_id, k, v)
                 assert np.array_equal(client.get(NS, srv.shard_id)[0], k)
-                port = int(srv.endpoint.rsplit(":", 1)[1])
-                buffers = tcp_buffers(port)
-                assert buffers, f"no connection found on port {port}"
-                if srv is sized:
-                    assert buffers == [(2 * (48 << 10), 2 * (48 << 10))]  # Linux doubles SO_RCVBUF/SO_SNDBUF
-                else:
-                    assert all(rb != 2 * (48 << 10) for rb, _ in buffers)
+                buffers = tcp_buffers(int(srv.endpoint.rsplit(":", 1)[1]))
+        assert buffers, f"no connection found for socket_buffer_bytes={size}"
+        if want is None:  # autotuned: neither fixed size
+            assert all(rb not in (2 * (48 << 10), loopback) for rb, _ in buffers), buffers
+        else:
+            assert buffers == [(want, want)], (size, buffers)
+    # a size the kernel would cut is said in the log, with the sysctl that allows it
+    monkeypatch.setattr(loop, "socket_buffer_cap", lambda: 64 << 10)
+    with caplog.at_level("WARNING", logger="kvd.wire.server"):
+        with ShardServer(store, shard_id="capped", recycle_memory=False, socket_buffer_bytes=128 << 10):
+            pass
+    assert "net.core.rmem_max" in caplog.text and str(64 << 10) in caplog.text
     for bad in (-1, 1, 4095, True, 1.5):
         with pytest.raises(ConfigError, match="socket_buffer_bytes"):
             ShardServer(store, shard_id="bad", recycle_memory=False, socket_buffer_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_loopback_hosts_are_told_apart_from_the_others() -> None:
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.7", "::", "node-a", ""))

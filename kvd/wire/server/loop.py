@@ -63,7 +63,7 @@ from kvd.errors import Busy, ConfigError, KvdError
 from kvd.wire import protocol as p
 from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig
 from kvd.wire.server.lane import BulkLane
-from kvd.wire.sockets import HANDSHAKE_TIMEOUT_S, ConnectionGuard, recv_frames, send_frames
+from kvd.wire.sockets import HANDSHAKE_TIMEOUT_S, ConnectionGuard, recv_frames, send_frames, socket_buffer_cap
 
 __all__ = ["DEFAULT_HWM", "DEFAULT_LINGER_S", "DEFAULT_MAX_QUEUED_BYTES", "DEFAULT_MAX_QUEUED_REQUESTS",
            "IDLE_TICK_S", "MIN_SOCKET_BUFFER_BYTES", "RouterServer"]
@@ -261,6 +261,11 @@ class RouterServer:
         if self._socket_buffer:  # every accepted connection's SO_SNDBUF / SO_RCVBUF (see ShardServer)
             sock.setsockopt(zmq.SNDBUF, self._socket_buffer)
             sock.setsockopt(zmq.RCVBUF, self._socket_buffer)
+            cap = socket_buffer_cap()
+            if cap is not None and cap < self._socket_buffer:
+                log.warning("%s: socket buffers of %d bytes asked, but Linux cuts them to %d "
+                            "(net.core.rmem_max / wmem_max); raise those with sysctl to get the size asked",
+                            self._NAME, self._socket_buffer, cap)
         # A ZAP domain makes ZeroMQ refuse ZMTP 1.0 peers, i.e. anything whose first byte is not 0xFF: without
         # it a peer sending random bytes is taken for a 1.0 peer and held open for good (the handshake timeout
         # ends with the greeting). With NULL security and no ZAP handler every ZMTP 3 peer is still admitted.
