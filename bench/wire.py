@@ -57,6 +57,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -589,7 +590,13 @@ class Mooncake:
 # ------------------------------------------------------------------------------------------------ main
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # so that every finally runs: the peers started are stopped
+
+
 def main() -> int:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a timeout or a closed terminal must not leave peers running
+        signal.signal(sig, _exit_on_signal)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short smoke run")
     ap.add_argument("--no-redis", action="store_true", help="skip Redis")
