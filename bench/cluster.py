@@ -44,6 +44,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from decode_steps import SEQS, decode_steps  # noqa: E402  (bench/decode_steps.py)
+
 from kvd.cli.loadgen import LAYOUTS, Layout, run_load  # noqa: E402
 from kvd.cluster.deploy import deploy, teardown, wait_until  # noqa: E402
 from kvd.config import load_config  # noqa: E402
@@ -154,7 +156,6 @@ def _settled(deployment: object, level: str) -> bool:
     return bool(changes) and changes[-1]["applied_at"] is not None and changes[-1]["relieved_at"] is not None
 
 
-DECODE_SEQS = 8
 DECODE_MAX_TOKENS = 256  # a decode sequence is dropped and started again at this length (32 MiB)
 
 
@@ -214,7 +215,7 @@ def _decode_latency(args: argparse.Namespace) -> None:
                 w.start()
             shape = (layout.num_layers, 1, layout.num_kv_heads, layout.head_dim)
             step = np.random.default_rng(99).standard_normal(shape, dtype=np.float32).astype(np.float16)
-            lengths = dict.fromkeys(range(DECODE_SEQS), 0)
+            lengths = dict.fromkeys(range(SEQS), 0)
             for s in lengths:
                 client.append(ns, f"decode-{s}", step, step)
                 lengths[s] = 1
@@ -231,20 +232,8 @@ def _decode_latency(args: argparse.Namespace) -> None:
                     go.set()
                     time.sleep(1.0)  # the prefill clients are under way
                 before = done.value
-                lat: list[float] = []
                 t_round = time.perf_counter()
-                t_end = t_round + args.decode_seconds
-                i = 0
-                while time.perf_counter() < t_end:
-                    s = i % DECODE_SEQS
-                    i += 1
-                    if lengths[s] >= DECODE_MAX_TOKENS:
-                        client.drop(ns, f"decode-{s}")
-                        lengths[s] = 0
-                    t0 = time.perf_counter()
-                    client.append(ns, f"decode-{s}", step, step)
-                    lat.append(time.perf_counter() - t0)
-                    lengths[s] += 1
+                lat = decode_steps(client, ns, step, lengths, args.decode_seconds, DECODE_MAX_TOKENS)
                 chunks_per_s = (done.value - before) / (time.perf_counter() - t_round)
                 go.clear()
                 a = np.array(lat)

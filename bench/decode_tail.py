@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from decode_steps import decode_steps
 
 HERE = str(Path(__file__).resolve().parents[1])
 LAYERS, HEADS, DIM = 32, 8, 128  # the 7B-class layout
 NS = "decode-tail"
-DECODE_SEQS = 8
 DECODE_MAX_TOKENS = 200
 
 
@@ -106,23 +106,10 @@ def _decoder(endpoint: str, src: str, seconds: float, nice: int, conn: Any) -> N
     from kvd.client import Client
 
     step = np.random.default_rng(99).standard_normal((LAYERS, 1, HEADS, DIM), dtype=np.float32).astype(np.float16)
-    lengths = dict.fromkeys(range(DECODE_SEQS), 0)
-    lat: list[float] = []
     with Client(endpoint, timeout_s=60.0) as client:
         conn.send("ready")
         conn.recv()
-        t0 = time.perf_counter()
-        i = 0
-        while time.perf_counter() < t0 + seconds:
-            s = i % DECODE_SEQS
-            i += 1
-            if lengths[s] >= DECODE_MAX_TOKENS:
-                client.drop(NS, f"decode-{s}")
-                lengths[s] = 0
-            t = time.perf_counter()
-            client.append(NS, f"decode-{s}", step, step)
-            lat.append(time.perf_counter() - t)
-            lengths[s] += 1
+        lat = decode_steps(client, NS, step, {}, seconds, DECODE_MAX_TOKENS)
     conn.send(lat)
 
 
