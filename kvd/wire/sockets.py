@@ -121,6 +121,8 @@ def tune_malloc(*, mmap_threshold_bytes: int = MALLOC_MMAP_THRESHOLD_BYTES,
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or ``localhost``) is this machine's loopback, where only local clients
     connect."""
+    if not isinstance(host, str):
+        return False
     if host.strip("[]").lower() == "localhost":
         return True
     try:

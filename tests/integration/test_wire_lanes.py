@@ -254,4 +254,4 @@ def test_socket_buffer_bytes_sets_every_connections_tcp_buffers(caplog: pytest.L
 
 def test_loopback_hosts_are_told_apart_from_the_others() -> None:
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"))
-    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.7", "::", "node-a", ""))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.7", "::", "node-a", "", None))  # type: ignore[arg-type]

@@ -22,5 +22,4 @@ from kvd.wire.sockets import (
 # CurveConfig, keygen, tune_malloc and the frame helpers live in kvd.wire.curve and kvd.wire.sockets (re-exported)
 __all__ = ["BULK_MIN_BYTES", "BULK_NICE", "BULK_THREAD_NAME", "COMPACT_STEP_BYTES", "COPY_THRESHOLD_BYTES",
            "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "LOOPBACK_SOCKET_BUFFER_BYTES", "CurveConfig",
-           "ShardServer",
-           "TopologyServer", "keygen", "recv_frames", "send_frames", "tune_malloc"]
+           "ShardServer", "TopologyServer", "keygen", "recv_frames", "send_frames", "tune_malloc"]

@@ -36,8 +36,8 @@ __all__ = ["BULK_MIN_BYTES", "COMPACT_STEP_BYTES", "LOOPBACK_SOCKET_BUFFER_BYTES
 log = logging.getLogger("kvd.wire.server")
 
 # Socket buffers of a shard bound to loopback, where every client shares the machine and a round trip is tens of
-# microseconds (no throughput cap to fear): decode p99 27 -> 10 ms under 4 prefilling clients, 32 MiB gets with
-# 8 in flight 0.75 -> 0.89x raw ZeroMQ (docs/design.md, "Small requests never wait for large ones").
+# microseconds (no throughput cap to fear): decode p99 27 -> 8-10 ms under 4 prefilling clients, 32 MiB gets with
+# 8 in flight 0.72-0.75 -> 0.87-0.89x raw ZeroMQ (docs/design.md, "Small requests never wait for large ones").
 LOOPBACK_SOCKET_BUFFER_BYTES = 256 << 10
 BULK_MIN_BYTES = 4 << 20  # a shard's requests moving this much run on its bulk lane (see the module docstring)
 COMPACT_STEP_BYTES = 1 << 20  # compaction takes the store's lock for at most about this much re-encoding
