@@ -236,6 +236,8 @@ def test_socket_buffer_bytes_sets_every_connections_tcp_buffers(caplog: pytest.L
                 client.append(NS, srv.shard_id, k, v)
                 assert np.array_equal(client.get(NS, srv.shard_id)[0], k)
                 buffers = tcp_buffers(int(srv.endpoint.rsplit(":", 1)[1]))
+                asked = LOOPBACK_SOCKET_BUFFER_BYTES if size is None else size
+                assert client.shard_stats()[0]["server_socket_buffer_bytes"] == asked  # what operators see
         assert buffers, f"no connection found for socket_buffer_bytes={size}"
         if want is None:  # autotuned: neither fixed size
             assert all(rb not in (2 * (48 << 10), loopback) for rb, _ in buffers), buffers

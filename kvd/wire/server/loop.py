@@ -229,11 +229,14 @@ class RouterServer:
         bytes_in / bytes_out (frames after the identity),
         replies_dropped (peer gone or not reading, or over the reply budget), replies_over_budget (of those: over
         ``max_reply_bytes``), peers_cut (by the connection guard), replies_held_bytes (replies not yet in the
-        kernel, last look), queue_depth, queued_bytes, queue_peak, compactions, compacted_bytes, uptime_s."""
+        kernel, last look), queue_depth, queued_bytes, queue_peak, compactions, compacted_bytes, uptime_s,
+        socket_buffer_bytes (each connection's TCP buffers as asked of the kernel; 0: the system's, autotuned)."""
         guard = self._guard
-        return self._metrics.snapshot(len(self._queue) + self._bulk_pending, self._queued_bytes,
-                                      guard.cuts if guard else 0, guard.held_total if guard else 0,
-                                      self._bulk_pending)
+        out = self._metrics.snapshot(len(self._queue) + self._bulk_pending, self._queued_bytes,
+                                     guard.cuts if guard else 0, guard.held_total if guard else 0,
+                                     self._bulk_pending)
+        out["socket_buffer_bytes"] = self._socket_buffer
+        return out
 
     def __enter__(self) -> RouterServer:
         self.start()
