@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from kvd.client import Client
-from kvd.errors import ConfigError
+from kvd.errors import Busy, ConfigError
 from kvd.store import Store
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
@@ -105,6 +105,24 @@ def test_small_requests_of_other_connections_are_served_while_a_large_append_run
         np.testing.assert_array_equal(decode.get(NS, "prefill")[0], k)
     metrics = server.metrics()
     assert metrics["bulk_requests"] >= 2 and metrics["bulk_depth"] == 0  # the prefill and its large read
+
+
+def test_a_busy_reply_counts_the_requests_on_the_bulk_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client told Busy learns how much is ahead of it, the bulk lane's requests included (it said 0 requests
+    while a large append held the queue's bytes)."""
+    k, v = kv(BIG, 1)
+    srv = ShardServer(Store(1 << 30), shard_id="busy", recycle_memory=False, max_queued_bytes=k.nbytes * 2 + 4096)
+    with srv, Client(srv.endpoint, timeout_s=WAIT_S) as prefill, Client(srv.endpoint, timeout_s=5) as other:
+        prefill.register(NS, **LAYOUT)
+        gate = Gate(monkeypatch, sp, "seal_rows")
+        big, out = in_thread(lambda: prefill.append(NS, "prefill", k, v))
+        assert gate.entered.wait(WAIT_S), "the large append did not reach the bulk lane's encode"
+        with pytest.raises(Busy, match=r"\(1 request, \d+ bytes queued\)"):
+            other.append(NS, "second", k, v)  # does not fit beside the first: refused, not run
+        gate.open()
+        big.join(WAIT_S)
+        assert out == [BIG]
+        assert other.lengths(NS, ["second"]) == [None]
 
 
 def test_a_large_read_does_not_hold_small_requests(server: ShardServer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -462,8 +462,8 @@ class RouterServer:
             del msg, frames
             self._send(sock, ident, p.encode_reply(p.ErrorReply(
                 request_id=rid, code=Busy.code, error="Busy",
-                message=f"server queue full ({len(queue)} requests, {self._queued_bytes} bytes queued); "
-                        "the request was not executed: retry after a short backoff")), fd)
+                message=f"server queue full ({depth} request{'s' if depth != 1 else ''}, {self._queued_bytes} "
+                        "bytes queued); the request was not executed: retry after a short backoff")), fd)
             return
         queue.append((ident, frames, size, fd))
         self._queued_bytes += size
