@@ -35,14 +35,20 @@ class Scripted:
             ident, *frames = self.sock.recv_multipart()
             req = p.decode_request(frames)
             if isinstance(req, p.HelloRequest):
-                reply: Any = p.HelloReply(request_id=req.request_id, kvd_version="t", page_format_version=1,
-                                          shard_id=self.shard_id, page_tokens=64)
+                self.send(ident, p.HelloReply(request_id=req.request_id, kvd_version="t", page_format_version=1,
+                                              shard_id=self.shard_id, page_tokens=64))
             else:
-                self.requests.append(req)
-                reply = self.answer(req)
-            self.sock.send_multipart([ident, *p.encode_reply(reply)])
+                self.serve(ident, req)
         self.sock.close()
         self.ctx.term()
+
+    def serve(self, ident: bytes, req: Any) -> None:
+        """Answer a request other than hello (a subclass may hold or reorder replies)."""
+        self.requests.append(req)
+        self.send(ident, self.answer(req))
+
+    def send(self, ident: bytes, reply: Any) -> None:
+        self.sock.send_multipart([ident, *p.encode_reply(reply)])
 
     def close(self) -> None:
         self.stop.set()

@@ -37,6 +37,8 @@ from kvd.wire import protocol as p
 from kvd.wire.routing import owner
 from kvd.wire.server import ShardServer, TopologyServer
 
+from scripted_shard import Scripted  # isort: skip  (tests/integration/scripted_shard.py)
+
 pytestmark = pytest.mark.integration
 
 NS = "m"
@@ -372,38 +374,19 @@ def test_pipelined_requests_complete_in_any_order(shard: ServerProcess) -> None:
         assert isinstance(mixed[1], UnknownSequence) and np.array_equal(mixed[2][0], data[2][0])
 
 
-class ReversingServer:
+class ReversingServer(Scripted):
     """A ROUTER that answers hello at once and then every 8 pings in reverse order: replies out of order."""
 
     def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        self.held: list[tuple[bytes, int]] = []
+        super().__init__(lambda req: None, shard_id="rev")
 
-    def _run(self) -> None:
-        held: list[tuple[bytes, int]] = []
-        while not self.stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            ident, *frames = self.sock.recv_multipart()
-            req = p.decode_request(frames)
-            if isinstance(req, p.HelloRequest):
-                reply: Any = p.HelloReply(request_id=req.request_id, kvd_version="test", page_format_version=1,
-                                          shard_id="rev", page_tokens=64)
-                self.sock.send_multipart([ident, *p.encode_reply(reply)])
-                continue
-            held.append((ident, req.request_id))
-            if len(held) == 8:
-                for who, rid in reversed(held):
-                    self.sock.send_multipart([who, *p.encode_reply(p.PingReply(request_id=rid))])
-                held.clear()
-        self.sock.close()
-        self.ctx.term()
+    def serve(self, ident: bytes, req: Any) -> None:
+        self.held.append((ident, req.request_id))
+        if len(self.held) == 8:
+            for who, rid in reversed(self.held):
+                self.send(who, p.PingReply(request_id=rid))
+            self.held.clear()
 
 
 @pytest.mark.timeout(30)
