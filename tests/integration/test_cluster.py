@@ -97,9 +97,12 @@ def fill(client: Client, prefix: str, target: float, *, timeout_s: float = 60.0)
 
 
 def levels_converged(client: Client, level: str) -> tuple[bool, set[int]]:
+    """Every shard runs at ``level`` because the coordinator ordered it, under one epoch. The order counts, not
+    only the level in force: a full shard runs ahead to q4 on its own (kvd.store.compact) under the epoch of the
+    order before, so three shards ahead at q4 look converged at the old epoch before the coordinator decides."""
     stats = all_stats(client)
     epochs = {s["epoch"] for s in stats}
-    return all(s["level"] == level for s in stats) and len(epochs) == 1, epochs
+    return all(s["level"] == s["ordered_level"] == level for s in stats) and len(epochs) == 1, epochs
 
 
 # -------------------------------------------------------------------------------------------------- levels
