@@ -15,7 +15,9 @@ For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in f
   (zero-copy both ways): the transport limit.
 * **kvd**: a ShardServer around a Store (fp16 level) in another process; ``append`` of keys + values (the
   payload is both tensors together) to one of 32 sequences in rotation, and ``get`` (format fp16) of a
-  stored sequence of exactly the payload's size.
+  stored sequence of exactly the payload's size. The append server is filled until it evicts, so appends
+  recycle memory as in a full cache; its ``max_level`` is fp16, so it evicts instead of compressing its pages
+  to q4 (what a full kvd does by default, and work the peers do not do): the bench checks it stored fp16 only.
 * **redis**: redis-server (installed with apt-get if missing, run on a free loopback port with persistence
   off, stopped after) through redis-py with hiredis (pip-installed into this venv if missing): SET and GET of
   the same bytes; 8 in flight is a pipeline of 8.
@@ -130,7 +132,9 @@ def kvd_server(conn: Any, level: str, capacity_bytes: int) -> None:
     from kvd.store import Store
     from kvd.wire.server import ShardServer
 
-    store = Store(capacity_bytes, eviction="lru")
+    # max_level: a full store evicts instead of running ahead to a more compact level (kvd.store.compact), so
+    # the "fp16" append server stores raw pages in its steady state, as the peers store raw bytes
+    store = Store(capacity_bytes, eviction="lru", max_level=level)
     if level != "fp16":
         store.set_level(level, 1)
     server = ShardServer(store, shard_id=f"bench-{level}")
@@ -252,6 +256,10 @@ def kvd_batches(client: Client, getter: Client, size: int, n: int) -> tuple[Batc
     while time.perf_counter() < t_end and not client.stats()["evictions"]:
         for _ in range(16):
             client.append(NS, f"a{size}-{next(counter) % ROTATION}", k, v)
+    stats = client.stats()
+    if (stats["level"], stats["pages_by_level"].keys() - {"fp16"}) != ("fp16", set()):  # no other work measured
+        raise RuntimeError(f"the append server is not storing fp16 pages: level {stats['level']}, pages "
+                           f"{stats['pages_by_level']}")
 
     def append() -> None:
         if n == 1:
