@@ -13,6 +13,12 @@ median over rounds of each tree: decode-step p50 / p99 / p999 and the prefill ch
     python bench/decode_tail.py --prefill-nice 19   # prefill clients yield the CPU, as clients on other machines
     python bench/decode_tail.py --socket-buffer 0   # also with the system's autotuned socket buffers (a variant)
     python bench/decode_tail.py --decode-nice -10   # the decode client first for the CPU (as root)
+    python bench/decode_tail.py --separate          # also: decode steps on a shard process of their own
+
+``--separate`` gives the decode client a second ShardServer process (its own store, loop and ZeroMQ I/O
+threads) while the prefills go to the first: no queue, lock or I/O thread is shared any more, only the CPUs.
+That is the floor any separation of decode steps from prefills inside one shard (a second socket, more
+threads) could reach on this machine.
 
 ``--other`` trees run from source (``KVD_PURE_PYTHON=1`` makes this checkout do the same, for a fair A/B); they
 need the kernel extension built or copied in, as above (the kernels are unchanged between the trees compared).
@@ -113,12 +119,15 @@ def _decoder(endpoint: str, src: str, seconds: float, nice: int, conn: Any) -> N
     conn.send(lat)
 
 
-def _round(src: str, socket_buffer: int | None, args: argparse.Namespace) -> dict[str, float]:
+def _round(src: str, socket_buffer: int | None, separate: bool, args: argparse.Namespace) -> dict[str, float]:
     ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    server = ctx.Process(target=_server, args=(there, src, socket_buffer), daemon=True)
-    server.start()
-    endpoint = here.recv()
+    servers = []
+    for _ in range(2 if separate else 1):  # [prefill shard, decode shard] or one for both
+        here, there = ctx.Pipe()
+        proc = ctx.Process(target=_server, args=(there, src, socket_buffer), daemon=True)
+        proc.start()
+        servers.append((proc, here, here.recv()))
+    endpoint, decode_endpoint = servers[0][2], servers[-1][2]
     _use(src)
     from kvd.client import Client
 
@@ -126,11 +135,12 @@ def _round(src: str, socket_buffer: int | None, args: argparse.Namespace) -> dic
     workers = [ctx.Process(target=_prefill, args=(endpoint, src, i, args.prefill, args.prefill_nice, stop, done),
                            daemon=True) for i in range(args.clients)]
     mine, theirs = ctx.Pipe()
-    decoder = ctx.Process(target=_decoder, args=(endpoint, src, args.seconds, args.decode_nice, theirs),
+    decoder = ctx.Process(target=_decoder, args=(decode_endpoint, src, args.seconds, args.decode_nice, theirs),
                           daemon=True)
     try:
-        with Client(endpoint, timeout_s=60.0) as client:
-            client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+        for _, _, ep in servers:
+            with Client(ep, timeout_s=60.0) as client:
+                client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
         decoder.start()
         mine.recv()
         for w in workers:
@@ -149,9 +159,11 @@ def _round(src: str, socket_buffer: int | None, args: argparse.Namespace) -> dic
                 w.kill()
         if decoder.is_alive():
             decoder.kill()
-        here.send("stop")
-        spans = np.array(here.recv() or [(0.0, 0.0)]) * 1e3
-        server.join(10)
+        for _, here, _ in servers:
+            here.send("stop")
+            spans = np.array(here.recv() or [(0.0, 0.0)]) * 1e3  # the decode steps are the last server's
+        for proc, _, _ in servers:
+            proc.join(10)
     a = np.array(lat) * 1e3
     served = spans[:, 0] + spans[:, 1]
     return {"n": float(len(a)), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
@@ -173,13 +185,17 @@ def main() -> None:
                          "autotuned buffers), a variant beside its default (256 KiB on loopback)")
     ap.add_argument("--decode-nice", type=int, default=0,
                     help="nice value added to the decode client (negative: needs root or CAP_SYS_NICE)")
+    ap.add_argument("--separate", action="store_true",
+                    help="also run this checkout with the decode client on a shard process of its own (a variant)")
     args = ap.parse_args()
-    trees: list[tuple[str, str, int | None]] = [("this", HERE, None)]
+    trees: list[tuple[str, str, int | None, bool]] = [("this", HERE, None, False)]
     if args.other:
-        trees.append(("other", str(Path(args.other).resolve()), None))
+        trees.append(("other", str(Path(args.other).resolve()), None, False))
     if args.socket_buffer is not None:
         label = f"{args.socket_buffer >> 10} KiB" if args.socket_buffer else "autotuned"
-        trees.append((f"this, buffers {label}", HERE, args.socket_buffer))
+        trees.append((f"this, buffers {label}", HERE, args.socket_buffer, False))
+    if args.separate:
+        trees.append(("this, decode on its own shard", HERE, None, True))
     print(f"decode steps (128 KiB) on one shard while {args.clients} clients prefill {args.prefill}-token chunks "
           f"({args.prefill * LAYERS * HEADS * DIM * 4 >> 20} MiB) at nice +{args.prefill_nice}, decode client "
           f"at nice {args.decode_nice:+d}; "
@@ -189,13 +205,13 @@ def main() -> None:
     print("| round | tree | decode appends | p50 ms | p99 ms | p999 ms | server wait p99 | server run p99 | "
           "server served p99 | prefill chunks/s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    rows: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in trees}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name, _, _, _ in trees}
     for rnd in range(args.rounds):
-        for name, src, buffer in trees:
-            r = _round(src, buffer, args)
+        for name, src, buffer, separate in trees:
+            r = _round(src, buffer, separate, args)
             rows[name].append(r)
             print(_row(str(rnd), name, r), flush=True)
-    for name, _, _ in trees:
+    for name, _, _, _ in trees:
         print(_row("median", name, {k: statistics.median(r[k] for r in rows[name]) for k in rows[name][0]}))
 
 
