@@ -24,6 +24,8 @@ quiet (the decode client alone) and loaded; reported per round and as the median
 decode-step append latency p50 / p99 / p999, and the prefill clients' chunks per second. ``--socket-buffer 0``
 runs the shards with the system's autotuned TCP buffers instead of the loopback default, 256 KiB
 (``cluster.shard_socket_buffer_bytes``; docs/design.md, "Small requests never wait ...").
+``--prefill-rate N`` paces the prefill clients at N chunks per second in all instead of back to back: back to
+back, they and the shards keep both CPUs of this machine busy, and the decode steps wait for a CPU.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from decode_steps import SEQS, decode_steps  # noqa: E402  (bench/decode_steps.py)
+from decode_steps import SEQS, Pace, decode_steps  # noqa: E402  (bench/decode_steps.py)
 
 from kvd.cli.loadgen import LAYOUTS, Layout, run_load  # noqa: E402
 from kvd.cluster.deploy import deploy, teardown, wait_until  # noqa: E402
@@ -160,9 +162,10 @@ DECODE_MAX_TOKENS = 256  # a decode sequence is dropped and started again at thi
 
 
 def _prefill_worker(endpoint: str, ns: str, index: int, chunk_tokens: int, go: Any, stop: Any, done: Any,
-                    failed: Any, nice: int) -> None:
+                    failed: Any, nice: int, interval_s: float) -> None:
     """A client process: while ``go`` is set, append a ``chunk_tokens`` prefill chunk, read it back, drop it
-    (errors are counted in ``failed`` and the loop goes on). ``nice``: added to its priority (every thread)."""
+    (errors are counted in ``failed`` and the loop goes on). ``nice``: added to its priority (every thread).
+    ``interval_s``: one chunk every that many seconds (:class:`Pace`; 0: back to back)."""
     from kvd.client import Client
 
     if nice:
@@ -173,8 +176,9 @@ def _prefill_worker(endpoint: str, ns: str, index: int, chunk_tokens: int, go: A
     k = np.random.default_rng(index).standard_normal(shape, dtype=np.float32).astype(np.float16)
     with Client(endpoint, timeout_s=120.0) as client:
         i = 0
+        pace = Pace(interval_s, stop, offset_s=interval_s * index / 4)
         while not stop.is_set():
-            if not go.wait(0.1):
+            if not go.wait(0.1) or not pace.wait():
                 continue
             seq = f"prefill-{index}-{i}"
             i += 1
@@ -204,7 +208,9 @@ def _decode_latency(args: argparse.Namespace) -> None:
     ctx = mp.get_context("spawn")
     go, stop, done, failed = ctx.Event(), ctx.Event(), ctx.Value("l", 0), ctx.Value("l", 0)
     workers = [ctx.Process(target=_prefill_worker, args=(deployment.endpoint, ns, i, args.prefill, go, stop, done,
-                                                         failed, args.prefill_nice), daemon=True)
+                                                         failed, args.prefill_nice,
+                                                         args.clients / args.prefill_rate if args.prefill_rate
+                                                         else 0.0), daemon=True)
                for i in range(args.clients)]
     rows: list[tuple[int, str, dict[str, float]]] = []
     try:
@@ -222,7 +228,9 @@ def _decode_latency(args: argparse.Namespace) -> None:
             print(f"\n## Decode-step latency under mixed load: {args.shards} shards, 7B-class layout, one token "
                   f"all layers ({step.nbytes * 2 >> 10} KiB) per append; loaded = {args.clients} other clients "
                   f"each appending {args.prefill}-token chunks ({step.nbytes * 2 * args.prefill >> 20} MiB), "
-                  f"reading them back and dropping them (prefill clients at nice {args.prefill_nice}; shard "
+                  f"reading them back and dropping them ("
+                  + (f"{args.prefill_rate:g} chunks/s in all, " if args.prefill_rate else "back to back, ")
+                  + f"prefill clients at nice {args.prefill_nice}; shard "
                   f"socket buffers {args.socket_buffer or 'of the loopback default'})\n")
             print("| round | load | decode appends | p50 ms | p99 ms | p999 ms | max ms | prefill chunks/s |")
             print("|---|---|---|---|---|---|---|---|")
@@ -293,6 +301,9 @@ def main() -> None:
     parser.add_argument("--prefill-nice", type=int, default=0,
                         help="run part 3's prefill clients at this nice value: on one machine their CPU competes "
                              "with the shards' and the decode client's, as it would not from other machines")
+    parser.add_argument("--prefill-rate", type=float, default=0.0, metavar="CHUNKS_PER_S",
+                        help="part 3's prefill chunks per second, all clients together (default 0: back to back, "
+                             "which keeps every CPU of this machine busy)")
     parser.add_argument("--socket-buffer", default=None, metavar="SIZE",
                         help="part 3's cluster.shard_socket_buffer_bytes, e.g. 256KiB, or 0 for the system's "
                              "autotuned buffers (default: unset, 256 KiB for these loopback shards)")

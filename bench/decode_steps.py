@@ -1,5 +1,6 @@
 """The decode client of bench/cluster.py and bench/decode_tail.py: one-token appends of every layer, one at a time,
-to a few sequences in rotation, each dropped and started again at a length (so a long run stays small)."""
+to a few sequences in rotation, each dropped and started again at a length (so a long run stays small); and the
+pace of their prefill clients."""
 
 from __future__ import annotations
 
@@ -30,3 +31,23 @@ def decode_steps(client: Any, ns: str, step: np.ndarray, lengths: dict[int, int]
         lat.append(time.perf_counter() - t0)
         lengths[s] = lengths.get(s, 0) + 1
     return lat
+
+
+class Pace:
+    """A prefill client's schedule: one chunk every ``interval_s`` seconds (0: back to back). A chunk that is
+    late starts at once and the next one ``interval_s`` after it, so a slow spell is not followed by a burst.
+    ``offset_s`` puts clients out of phase."""
+
+    def __init__(self, interval_s: float, stop: Any, offset_s: float = 0.0) -> None:
+        self.interval_s = interval_s
+        self.stop = stop  # an Event: set, it ends the wait
+        self.next = time.perf_counter() + offset_s
+
+    def wait(self) -> bool:
+        """Sleep until the next chunk is due; False if ``stop`` was set meanwhile."""
+        if self.interval_s:
+            delay = self.next - time.perf_counter()
+            if delay > 0 and self.stop.wait(delay):
+                return False
+            self.next = max(self.next, time.perf_counter()) + self.interval_s
+        return not self.stop.is_set()

@@ -14,6 +14,7 @@ median over rounds of each tree: decode-step p50 / p99 / p999 and the prefill ch
     python bench/decode_tail.py --socket-buffer 0   # also with the system's autotuned socket buffers (a variant)
     python bench/decode_tail.py --decode-nice -10   # the decode client first for the CPU (as root)
     python bench/decode_tail.py --separate          # also: decode steps on a shard process of their own
+    python bench/decode_tail.py --prefill-rate 4    # prefills at 4 chunks/s in all (not as fast as they can)
 
 ``--separate`` gives the decode client a second ShardServer process (its own store, loop and ZeroMQ I/O
 threads) while the prefills go to the first: no queue, lock or I/O thread is shared any more, only the CPUs.
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from decode_steps import decode_steps
+from decode_steps import Pace, decode_steps
 
 HERE = str(Path(__file__).resolve().parents[1])
 LAYERS, HEADS, DIM = 32, 8, 128  # the 7B-class layout
@@ -84,7 +85,10 @@ def _server(conn: Any, src: str, socket_buffer: int | None) -> None:
     conn.send(spans)
 
 
-def _prefill(endpoint: str, src: str, index: int, tokens: int, nice: int, stop: Any, done: Any) -> None:
+def _prefill(endpoint: str, src: str, index: int, tokens: int, nice: int, interval_s: float, stop: Any,
+             done: Any) -> None:
+    """One prefill client: append a chunk, read it back, drop it; as fast as it can (``interval_s`` 0), else one
+    chunk every ``interval_s`` (:class:`Pace`)."""
     _use(src)
     if nice:
         os.nice(nice)
@@ -94,7 +98,8 @@ def _prefill(endpoint: str, src: str, index: int, tokens: int, nice: int, stop: 
     k = np.random.default_rng(index).standard_normal(shape, dtype=np.float32).astype(np.float16)
     with Client(endpoint, timeout_s=120.0) as client:
         i = 0
-        while not stop.is_set():
+        pace = Pace(interval_s, stop, offset_s=interval_s * index / 4)
+        while pace.wait():
             seq = f"prefill-{index}-{i}"
             i += 1
             client.append(NS, seq, k, k)
@@ -132,7 +137,9 @@ def _round(src: str, socket_buffer: int | None, separate: bool, args: argparse.N
     from kvd.client import Client
 
     stop, done = ctx.Event(), ctx.Value("l", 0)
-    workers = [ctx.Process(target=_prefill, args=(endpoint, src, i, args.prefill, args.prefill_nice, stop, done),
+    workers = [ctx.Process(target=_prefill, args=(endpoint, src, i, args.prefill, args.prefill_nice,
+                                                   args.clients / args.prefill_rate if args.prefill_rate else 0.0,
+                                                   stop, done),
                            daemon=True) for i in range(args.clients)]
     mine, theirs = ctx.Pipe()
     decoder = ctx.Process(target=_decoder, args=(decode_endpoint, src, args.seconds, args.decode_nice, theirs),
@@ -178,6 +185,9 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=4, help="prefill clients (default 4)")
     ap.add_argument("--prefill", type=int, default=512, help="tokens per prefill chunk (default 512: 64 MiB)")
     ap.add_argument("--prefill-nice", type=int, default=0, help="nice value added to the prefill clients")
+    ap.add_argument("--prefill-rate", type=float, default=0.0, metavar="CHUNKS_PER_S",
+                    help="prefill chunks per second, all clients together, on a fixed schedule (default 0: each "
+                         "client as fast as it can, which keeps both CPUs busy)")
     ap.add_argument("--seconds", type=float, default=15.0, help="length of a round (default 15)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per variant (default 3)")
     ap.add_argument("--socket-buffer", type=int, default=None, metavar="BYTES",
@@ -196,9 +206,10 @@ def main() -> None:
         trees.append((f"this, buffers {label}", HERE, args.socket_buffer, False))
     if args.separate:
         trees.append(("this, decode on its own shard", HERE, None, True))
+    pace = f"{args.prefill_rate:g} chunks/s in all" if args.prefill_rate else "as fast as they can"
     print(f"decode steps (128 KiB) on one shard while {args.clients} clients prefill {args.prefill}-token chunks "
-          f"({args.prefill * LAYERS * HEADS * DIM * 4 >> 20} MiB) at nice +{args.prefill_nice}, decode client "
-          f"at nice {args.decode_nice:+d}; "
+          f"({args.prefill * LAYERS * HEADS * DIM * 4 >> 20} MiB) at nice +{args.prefill_nice}, {pace}, "
+          f"decode client at nice {args.decode_nice:+d}; "
           f"{os.cpu_count()} CPUs; this = {HERE}" + (f", other = {trees[1][1]}" if args.other else ""))
     print("\nclient: each decode step's round trip; server: the shard's loop, for each decode step: time queued "
           "before it ran (wait), its run (parse, store, reply), and the two together (served)\n")
