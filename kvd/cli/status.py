@@ -16,7 +16,7 @@ from typing import Any
 from kvd.config.settings import format_size
 from kvd.policy import Level
 
-__all__ = ["fmt_bytes", "imbalance", "shard_table", "status_line", "StatusMetrics"]
+__all__ = ["fmt_bytes", "imbalance", "serving_table", "shard_table", "status_line", "StatusMetrics"]
 
 
 # ------------------------------------------------------------------------------------------------ display
@@ -84,7 +84,36 @@ def shard_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
         )
     if notes:
         out += "\nwhy each level:\n" + "\n".join(notes)
+    serving = serving_table(shards)
+    if serving:
+        out += "\n\nserving (counts since each shard started):\n" + serving
     return out
+
+
+def _count(stats: dict[str, Any], key: str) -> Any:
+    value = stats.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else "-"
+
+
+def serving_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
+    """How each shard's server copes (its ``server_*`` stats, docs/protocol.md §6.8): requests queued now and on
+    the large-request lane, Busy replies (the queue was full: clients retried), error replies, replies dropped
+    (peer gone or not reading), peers cut (oversize message, or holding a spent budget), the TCP buffer size
+    each connection asks for. Empty when no shard reports them (a store without a server)."""
+    headers = ["shard", "requests", "queued", "bulk now", "bulk", "busy", "errors", "dropped", "peers cut",
+               "socket buffers"]
+    rows = []
+    for sid, s in shards:
+        if not isinstance(s, dict) or "server_requests" not in s:
+            continue
+        buffer = s.get("server_socket_buffer_bytes")
+        rows.append([
+            sid, _count(s, "server_requests"), _count(s, "server_queue_depth"), _count(s, "server_bulk_depth"),
+            _count(s, "server_bulk_requests"), _count(s, "server_busy"), _count(s, "server_errors"),
+            _count(s, "server_replies_dropped"), _count(s, "server_peers_cut"),
+            "autotuned" if buffer == 0 else fmt_bytes(buffer),
+        ])
+    return _table(headers, rows) if rows else ""
 
 
 def imbalance(stats: Sequence[dict[str, Any]]) -> float | None:
@@ -176,6 +205,26 @@ class StatusMetrics:
                                             labels=["shard"]),
             "rps": g("kvd_shard_requests_per_second", "Requests per second", labels=["shard"]),
         }
+        serving = {  # the server's counters (docs/protocol.md §6.8), where a shard reports them
+            "server_requests": CounterMetricFamily("kvd_shard_requests", "Messages received", labels=["shard"]),
+            "server_busy": CounterMetricFamily("kvd_shard_busy_replies", "Requests refused with Busy (queue full; "
+                                               "not executed, clients retry)", labels=["shard"]),
+            "server_errors": CounterMetricFamily("kvd_shard_error_replies", "Error replies other than Busy",
+                                                 labels=["shard"]),
+            "server_replies_dropped": CounterMetricFamily(
+                "kvd_shard_replies_dropped", "Replies dropped (peer gone, not reading, or over the reply budget)",
+                labels=["shard"]),
+            "server_peers_cut": CounterMetricFamily("kvd_shard_peers_cut", "Peers disconnected for an oversize "
+                                                    "message or for holding a spent budget", labels=["shard"]),
+            "server_bulk_requests": CounterMetricFamily("kvd_shard_bulk_requests", "Requests run on the "
+                                                        "large-request lane", labels=["shard"]),
+            "server_queue_depth": g("kvd_shard_queue_depth", "Requests received and not yet answered",
+                                    labels=["shard"]),
+            "server_bulk_depth": g("kvd_shard_bulk_depth", "Requests on the large-request lane now",
+                                   labels=["shard"]),
+            "server_replies_held_bytes": g("kvd_shard_replies_held_bytes", "Reply bytes sent and not yet read by "
+                                           "their peers", labels=["shard"]),
+        }
         by_level = g("kvd_shard_level_bytes", "Bytes of pages by page format", labels=["shard", "level"])
         ahead = g("kvd_shard_ahead_level", "Level a shard runs at ahead of the cluster under its own pressure "
                   "(-1: none)", labels=["shard"])
@@ -190,11 +239,15 @@ class StatusMetrics:
             for key in ("epoch", "pressure", "used_bytes", "capacity_bytes", "tokens", "sequences", "evictions",
                         "refusals", "recompressed_pages", "squeezes"):
                 families[key].add_metric([sid], float(s.get(key, 0)))
+            for key, family in serving.items():
+                if isinstance(s.get(key), (int, float)):
+                    family.add_metric([sid], float(s[key]))
             ahead.add_metric([sid], float(rank.get(str(s.get("ahead")), -1)))
             why.add_metric([sid, str(s.get("level_reason", ""))], 1.0)
             for level, n in (s.get("bytes_by_level") or {}).items():
                 by_level.add_metric([sid, level], float(n))
         yield from families.values()
+        yield from serving.values()
         yield by_level
         yield ahead
         yield why

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.cli.status import imbalance, shard_table, status_line
+from kvd.cli.status import StatusMetrics, imbalance, serving_table, shard_table, status_line
 
 
 def shard(level: str, pressure: float, **extra: object) -> dict:
@@ -48,3 +48,49 @@ def test_the_status_line_counts_refusals_and_names_shards_ahead() -> None:
 
 def test_an_empty_cluster_says_so_instead_of_a_ratio() -> None:
     assert "fullest shard / mean pressure: - (empty)" in shard_table([("shard-0", shard("fp16", 0.0))])
+
+
+SERVING = {"server_requests": 1200, "server_queue_depth": 3, "server_bulk_depth": 1, "server_bulk_requests": 40,
+           "server_busy": 17, "server_errors": 2, "server_replies_dropped": 5, "server_peers_cut": 1,
+           "server_socket_buffer_bytes": 262144, "server_replies_held_bytes": 4096}
+
+
+def test_kvd_status_shows_how_each_shard_serves_busy_replies_drops_cuts_and_socket_buffers() -> None:
+    rows = [("shard-0", shard("fp16", 0.1, **SERVING)),
+            ("shard-1", shard("fp16", 0.1, **{**SERVING, "server_busy": 0, "server_socket_buffer_bytes": 0})),
+            ("shard-2", None)]
+    out = shard_table(rows)
+    assert "serving (counts since each shard started):" in out
+    table = out.split("serving (counts since each shard started):\n")[1].splitlines()
+    header = table[0].split("  ")
+    assert [h.strip() for h in header if h.strip()] == ["shard", "requests", "queued", "bulk now", "bulk", "busy",
+                                                         "errors", "dropped", "peers cut", "socket buffers"]
+    assert table[2].split() == ["shard-0", "1200", "3", "1", "40", "17", "2", "5", "1", "256.00KiB"]
+    assert table[3].split() == ["shard-1", "1200", "3", "1", "40", "0", "2", "5", "1", "autotuned"]
+    assert len(table) == 4  # a shard that is down has no server figures
+
+
+def test_a_store_without_server_counters_gets_no_serving_table() -> None:
+    assert serving_table([("shard-0", shard("fp16", 0.1)), ("shard-1", None)]) == ""
+    assert "serving" not in shard_table([("shard-0", shard("fp16", 0.1))])
+    # a missing or odd counter prints as "-" rather than breaking the table
+    out = serving_table([("shard-0", {"server_requests": 5, "server_busy": True})])
+    assert out.splitlines()[2].split()[:6] == ["shard-0", "5", "-", "-", "-", "-"]
+
+
+def test_the_exporter_serves_each_shards_busy_replies_drops_cuts_and_queue() -> None:
+    pytest.importorskip("prometheus_client")
+    metrics = StatusMetrics(0, "127.0.0.1")
+    try:
+        cluster = {"level": "fp16", "level_epoch": 1, "pressure": 0.1, "topology_epoch": 1}
+        metrics.update(cluster, {"shard-0": shard("fp16", 0.1, **SERVING), "shard-1": None})
+        samples = {(m.name, smp.name): smp for m in metrics.collect() for smp in m.samples
+                   if smp.labels.get("shard") == "shard-0"}
+        want = {"kvd_shard_busy_replies_total": 17, "kvd_shard_error_replies_total": 2,
+                "kvd_shard_replies_dropped_total": 5, "kvd_shard_peers_cut_total": 1,
+                "kvd_shard_bulk_requests_total": 40, "kvd_shard_requests_total": 1200, "kvd_shard_queue_depth": 3,
+                "kvd_shard_bulk_depth": 1, "kvd_shard_replies_held_bytes": 4096}
+        got = {name: smp.value for (_, name), smp in samples.items() if name in want}
+        assert got == want
+    finally:
+        metrics.close()
