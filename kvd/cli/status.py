@@ -205,7 +205,7 @@ class StatusMetrics:
                                             labels=["shard"]),
             "rps": g("kvd_shard_requests_per_second", "Requests per second", labels=["shard"]),
         }
-        serving = {  # the server's counters (docs/protocol.md §6.8), where a shard reports them
+        serving: dict[str, Any] = {  # the server's counters (docs/protocol.md §6.8), where a shard reports them
             "server_requests": CounterMetricFamily("kvd_shard_requests", "Messages received", labels=["shard"]),
             "server_busy": CounterMetricFamily("kvd_shard_busy_replies", "Requests refused with Busy (queue full; "
                                                "not executed, clients retry)", labels=["shard"]),
