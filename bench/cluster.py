@@ -308,6 +308,8 @@ def main() -> None:
                         help="part 3's cluster.shard_socket_buffer_bytes, e.g. 256KiB, or 0 for the system's "
                              "autotuned buffers (default: unset, 256 KiB for these loopback shards)")
     args = parser.parse_args()
+    if args.prefill_rate < 0:
+        parser.error(f"--prefill-rate must be 0 (back to back) or more, got {args.prefill_rate:g}")
     args.seconds = args.seconds or (3.0 if args.quick else 15.0)
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.prefill, args.decode = 512, 32

@@ -198,6 +198,8 @@ def main() -> None:
     ap.add_argument("--separate", action="store_true",
                     help="also run this checkout with the decode client on a shard process of its own (a variant)")
     args = ap.parse_args()
+    if args.prefill_rate < 0:
+        ap.error(f"--prefill-rate must be 0 (back to back) or more, got {args.prefill_rate:g}")
     trees: list[tuple[str, str, int | None, bool]] = [("this", HERE, None, False)]
     if args.other:
         trees.append(("other", str(Path(args.other).resolve()), None, False))
