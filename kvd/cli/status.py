@@ -106,12 +106,12 @@ def serving_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
     for sid, s in shards:
         if not isinstance(s, dict) or "server_requests" not in s:
             continue
-        buffer = s.get("server_socket_buffer_bytes")
+        buffer = _count(s, "server_socket_buffer_bytes")
         rows.append([
             sid, _count(s, "server_requests"), _count(s, "server_queue_depth"), _count(s, "server_bulk_depth"),
             _count(s, "server_bulk_requests"), _count(s, "server_busy"), _count(s, "server_errors"),
             _count(s, "server_replies_dropped"), _count(s, "server_peers_cut"),
-            "autotuned" if buffer == 0 else fmt_bytes(buffer),
+            "autotuned" if buffer == 0 else buffer if buffer == "-" else fmt_bytes(buffer),
         ])
     return _table(headers, rows) if rows else ""
 
@@ -240,7 +240,7 @@ class StatusMetrics:
                         "refusals", "recompressed_pages", "squeezes"):
                 families[key].add_metric([sid], float(s.get(key, 0)))
             for key, family in serving.items():
-                if isinstance(s.get(key), (int, float)):
+                if isinstance(s.get(key), (int, float)) and not isinstance(s.get(key), bool):
                     family.add_metric([sid], float(s[key]))
             ahead.add_metric([sid], float(rank.get(str(s.get("ahead")), -1)))
             why.add_metric([sid, str(s.get("level_reason", ""))], 1.0)

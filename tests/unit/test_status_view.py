@@ -74,8 +74,9 @@ def test_a_store_without_server_counters_gets_no_serving_table() -> None:
     assert serving_table([("shard-0", shard("fp16", 0.1)), ("shard-1", None)]) == ""
     assert "serving" not in shard_table([("shard-0", shard("fp16", 0.1))])
     # a missing or odd counter prints as "-" rather than breaking the table
-    out = serving_table([("shard-0", {"server_requests": 5, "server_busy": True})])
-    assert out.splitlines()[2].split()[:6] == ["shard-0", "5", "-", "-", "-", "-"]
+    out = serving_table([("shard-0", {"server_requests": 5, "server_busy": True,
+                                      "server_socket_buffer_bytes": "big"})])
+    assert out.splitlines()[2].split() == ["shard-0", "5", *["-"] * 8]
 
 
 def test_the_exporter_serves_each_shards_busy_replies_drops_cuts_and_queue() -> None:
