@@ -5,6 +5,7 @@ unlocked encode (a wrapped seal_rows) so the test decides when it ends."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -69,7 +70,12 @@ def server() -> Iterator[ShardServer]:
     srv.stop()
 
 
-def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+@contextlib.contextmanager
+def held(gate: Gate, fn: Any) -> Iterator[tuple[threading.Thread, list[Any]]]:
+    """Run ``fn`` (a call that reaches ``gate``) in a thread; ``out`` gets its result or exception. Leaving the
+    block opens the gate and waits for the thread, also when an assertion failed inside: the test's clients are
+    closed after that, never under a call still using them (ZeroMQ aborts the process on a socket used from two
+    threads: one such failure took the whole suite down)."""
     out: list[Any] = []
 
     def run() -> None:
@@ -80,7 +86,12 @@ def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    return t, out
+    try:
+        yield t, out
+    finally:
+        gate.open()
+        t.join(WAIT_S)
+        assert not t.is_alive(), "the held call did not finish after its gate opened"
 
 
 def test_small_requests_of_other_connections_are_served_while_a_large_append_runs(
@@ -90,17 +101,15 @@ def test_small_requests_of_other_connections_are_served_while_a_large_append_run
     dk, dv = kv(1, 2)
     with Client(server.endpoint, timeout_s=WAIT_S) as prefill, Client(server.endpoint, timeout_s=5) as decode:
         decode.append(NS, "decode", dk, dv)
-        big, out = in_thread(lambda: prefill.append(NS, "prefill", k, v))
-        assert gate.entered.wait(WAIT_S), "the large append did not reach the bulk lane's encode"
-        # the prefill is held mid-encode: a decode step, a read and a lookup of another client go through
-        for n in range(2, 12):
-            assert decode.append(NS, "decode", dk, dv) == n
-        assert decode.length(NS, "decode") == 11
-        np.testing.assert_array_equal(decode.get(NS, "decode")[0][:, -1:], dk)
-        assert big.is_alive() and not out
-        assert server.metrics()["bulk_depth"] == 1
-        gate.open()
-        big.join(WAIT_S)
+        with held(gate, lambda: prefill.append(NS, "prefill", k, v)) as (big, out):
+            assert gate.entered.wait(WAIT_S), "the large append did not reach the bulk lane's encode"
+            # the prefill is held mid-encode: a decode step, a read and a lookup of another client go through
+            for n in range(2, 12):
+                assert decode.append(NS, "decode", dk, dv) == n
+            assert decode.length(NS, "decode") == 11
+            np.testing.assert_array_equal(decode.get(NS, "decode")[0][:, -1:], dk)
+            assert big.is_alive() and not out
+            assert server.metrics()["bulk_depth"] == 1
         assert out == [BIG]
         np.testing.assert_array_equal(decode.get(NS, "prefill")[0], k)
     metrics = server.metrics()
@@ -115,12 +124,12 @@ def test_a_busy_reply_counts_the_requests_on_the_bulk_lane(monkeypatch: pytest.M
     with srv, Client(srv.endpoint, timeout_s=WAIT_S) as prefill, Client(srv.endpoint, timeout_s=5) as other:
         prefill.register(NS, **LAYOUT)
         gate = Gate(monkeypatch, sp, "seal_rows")
-        big, out = in_thread(lambda: prefill.append(NS, "prefill", k, v))
-        assert gate.entered.wait(WAIT_S), "the large append did not reach the bulk lane's encode"
-        with pytest.raises(Busy, match=r"\(1 request, \d+ bytes queued\)"):
-            other.append(NS, "second", k, v)  # does not fit beside the first: refused, not run
-        gate.open()
-        big.join(WAIT_S)
+        with held(gate, lambda: prefill.append(NS, "prefill", k, v)) as (_, out):
+            assert gate.entered.wait(WAIT_S), "the large append did not reach the bulk lane's encode"
+            # one attempt (append() would retry Busy until its timeout, and a retry in flight at the deadline
+            # ends in Timeout instead)
+            with pytest.raises(Busy, match=r"\(1 request, \d+ bytes queued\)"):
+                other.append_nowait(NS, "second", k, v).result()  # does not fit beside the first: not run
         assert out == [BIG]
         assert other.lengths(NS, ["second"]) == [None]
 
@@ -132,12 +141,10 @@ def test_a_large_read_does_not_hold_small_requests(server: ShardServer, monkeypa
         c.append(NS, "small", *kv(1, 4))
     gate = Gate(monkeypatch, store_seq, "read_into")
     with Client(server.endpoint, timeout_s=WAIT_S) as reader, Client(server.endpoint, timeout_s=5) as other:
-        read, out = in_thread(lambda: reader.get(NS, "big"))
-        assert gate.entered.wait(WAIT_S)
-        assert other.append(NS, "small", *kv(1, 5)) == 2
-        assert other.drop(NS, "big")  # the read in flight keeps what it started with
-        gate.open()
-        read.join(WAIT_S)
+        with held(gate, lambda: reader.get(NS, "big")) as (_, out):
+            assert gate.entered.wait(WAIT_S)
+            assert other.append(NS, "small", *kv(1, 5)) == 2
+            assert other.drop(NS, "big")  # the read in flight keeps what it started with
         np.testing.assert_array_equal(out[0][0], k)
         np.testing.assert_array_equal(out[0][1], v)
 
