@@ -207,17 +207,19 @@ def test_sigkill_of_a_shard_during_appends(cluster: Deployment) -> None:
 
         thread = threading.Thread(target=appender, daemon=True)
         thread.start()
-        wait_until(lambda: min(lengths.values()) >= PAGE + 3, timeout_s=20, what="appends under way")
-        pid = _shard_pid(cluster, victim)
-        os.kill(pid, signal.SIGKILL)
-        # Ray restarts the shard: new process, registered again under the same id.
-        wait_until(lambda: _shard_pid(cluster, victim) != pid, timeout_s=60, what="shard restart")
-        wait_until(lambda: ray.get(cluster.shards[victim].info.remote(), timeout=10)["registered"],
-                   timeout_s=30, what="restarted shard registered")
-        wait_until(lambda: all(errors[s] for s in seqs if home[s] == victim), timeout_s=30,
-                   what="every sequence of the dead shard to fail")
-        stop.set()
-        thread.join(timeout=30)
+        try:
+            wait_until(lambda: min(lengths.values()) >= PAGE + 3, timeout_s=20, what="appends under way")
+            pid = _shard_pid(cluster, victim)
+            os.kill(pid, signal.SIGKILL)
+            # Ray restarts the shard: new process, registered again under the same id.
+            wait_until(lambda: _shard_pid(cluster, victim) != pid, timeout_s=60, what="shard restart")
+            wait_until(lambda: ray.get(cluster.shards[victim].info.remote(), timeout=10)["registered"],
+                       timeout_s=30, what="restarted shard registered")
+            wait_until(lambda: all(errors[s] for s in seqs if home[s] == victim), timeout_s=30,
+                       what="every sequence of the dead shard to fail")
+        finally:  # the appender stops before the client closes, also on a failure (a ZeroMQ socket is not shared)
+            stop.set()
+            thread.join(timeout=30)
 
         for s in seqs:
             if home[s] == victim:
