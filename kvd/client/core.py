@@ -421,16 +421,23 @@ class _Core:
 
     def _g_roundtrip(self, conn: _Conn, req: Any, deadline: float, timeout_s: float, reply: Any = None) -> Plan:
         """Send and wait; ``Busy`` is retried with backoff until the deadline (a Busy request was not run).
-        ``reply``: the reply to ``req``, already sent and received (a client's first attempt, :class:`First`)."""
+        ``reply``: the reply to ``req``, already sent and received (a client's first attempt, :class:`First`).
+
+        No retry starts that could not be answered before the deadline (the backoff plus twice the last round
+        trip): a retry cut off by the deadline would end in Timeout, which tells the caller less (an append may
+        or may not have run) than the Busy it had (not run)."""
         backoffs = iter(_BUSY_BACKOFF_S)
+        rtt = 0.0
         while True:
             if reply is None:
+                sent = time.monotonic()
                 yield ("send", conn, req, deadline)
                 reply = yield ("wait", conn, req, deadline, timeout_s)
+                rtt = time.monotonic() - sent
             if not _is_busy(reply):
                 return reply
             backoff = next(backoffs, _BUSY_BACKOFF_S[-1])
-            if time.monotonic() + backoff >= deadline:
+            if time.monotonic() + backoff + 2 * rtt >= deadline:
                 return reply
             yield ("sleep", backoff)
             req = _renumber(req, next(self._ids))

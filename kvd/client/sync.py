@@ -20,8 +20,10 @@ a window of requests in flight. On :class:`AsyncClient`, concurrent coroutines p
 
 *Failures.* Every call has a timeout (:class:`~kvd.errors.Timeout`). Server errors are raised as the same kvd
 error class. ``Busy`` is retried with a short backoff within the call's timeout (a Busy request was not
-executed). On ShardUnavailable or Timeout, a client that knows a coordinator re-reads the topology once and
-retries the call on the new owner if it is idempotent (get, length, stats, explain, register); an append is
+executed); no retry starts that could not be answered before the timeout, so a call refused until then raises
+``Busy`` (not run) rather than ``Timeout`` (an append: maybe run). On ShardUnavailable or Timeout, a client
+that knows a coordinator re-reads the topology once and retries the call on the new owner if it is idempotent
+(get, length, stats, explain, register); an append is
 never retried silently (set ``offset`` to make a resend safe). A shard that answers WrongShard (protocol
 1.3: it does not own the sequence by its topology) executed nothing: the client reads the topology again and
 resends to the owner, pausing while that shard's topology lags, within the call's timeout.

@@ -262,6 +262,28 @@ def busy_twice() -> Callable[[Any], Any]:
 
 
 @pytest.mark.timeout(30)
+def test_a_call_refused_busy_until_its_timeout_raises_busy_not_timeout() -> None:
+    """Busy says the request did not run; a retry cut off by the deadline would say Timeout (an append: maybe
+    run). With replies 0.3 s apart and a 1 s timeout, the retry sent at ~0.6 s could only be answered after the
+    deadline: the client stops at the Busy it has (CI saw the Timeout 2 times in 40 with a real shard)."""
+    def slow_busy(req: Any) -> Any:
+        time.sleep(0.3)
+        return p.ErrorReply(request_id=req.request_id, code=Busy.code, error="Busy", message="queue full")
+
+    server = Scripted(slow_busy, shard_id="sb")
+    try:
+        with Client(server.endpoint, timeout_s=1.0) as c:
+            for call in (lambda: c.append(NS, 1, *kv(tokens=1)), lambda: c.length(NS, 1)):
+                before = len(server.requests)
+                t0 = time.monotonic()
+                with pytest.raises(Busy, match="queue full"):
+                    call()
+                assert time.monotonic() - t0 < 1.0  # it gave up before the deadline, with the answer it had
+                assert len(server.requests) - before == 2  # one retry fitted, a third attempt would not
+    finally:
+        server.close()
+
+
 def test_the_client_retries_busy_with_backoff() -> None:
     server = Scripted(busy_twice(), shard_id="bt")
     try:
