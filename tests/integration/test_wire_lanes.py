@@ -126,8 +126,7 @@ def test_a_busy_reply_counts_the_requests_on_the_bulk_lane(monkeypatch: pytest.M
         gate = Gate(monkeypatch, sp, "seal_rows")
         with held(gate, lambda: prefill.append(NS, "prefill", k, v)) as (_, out):
             assert gate.entered.wait(WAIT_S), "the large append did not reach the bulk lane's encode"
-            # one attempt (append() would retry Busy until its timeout, and a retry in flight at the deadline
-            # ends in Timeout instead)
+            # one attempt: append() would retry Busy for its whole timeout before raising it
             with pytest.raises(Busy, match=r"\(1 request, \d+ bytes queued\)"):
                 other.append_nowait(NS, "second", k, v).result()  # does not fit beside the first: not run
         assert out == [BIG]
