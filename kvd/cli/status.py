@@ -90,9 +90,10 @@ def shard_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
     return out
 
 
-def _count(stats: dict[str, Any], key: str) -> Any:
+def _count(stats: dict[str, Any], key: str) -> int | None:
+    """A server counter of ``stats``, or None when it is missing or not an integer."""
     value = stats.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else "-"
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def serving_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
@@ -106,13 +107,12 @@ def serving_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
     for sid, s in shards:
         if not isinstance(s, dict) or "server_requests" not in s:
             continue
+        counts = [_count(s, key) for key in ("server_requests", "server_queue_depth", "server_bulk_depth",
+                                             "server_bulk_requests", "server_busy", "server_errors",
+                                             "server_replies_dropped", "server_peers_cut")]
         buffer = _count(s, "server_socket_buffer_bytes")
-        rows.append([
-            sid, _count(s, "server_requests"), _count(s, "server_queue_depth"), _count(s, "server_bulk_depth"),
-            _count(s, "server_bulk_requests"), _count(s, "server_busy"), _count(s, "server_errors"),
-            _count(s, "server_replies_dropped"), _count(s, "server_peers_cut"),
-            "autotuned" if buffer == 0 else buffer if buffer == "-" else fmt_bytes(buffer),
-        ])
+        rows.append([sid, *("-" if n is None else n for n in counts),
+                     "autotuned" if buffer == 0 else fmt_bytes(buffer)])
     return _table(headers, rows) if rows else ""
 
 
@@ -240,8 +240,8 @@ class StatusMetrics:
                         "refusals", "recompressed_pages", "squeezes"):
                 families[key].add_metric([sid], float(s.get(key, 0)))
             for key, family in serving.items():
-                if isinstance(s.get(key), (int, float)) and not isinstance(s.get(key), bool):
-                    family.add_metric([sid], float(s[key]))
+                if (value := _count(s, key)) is not None:
+                    family.add_metric([sid], float(value))
             ahead.add_metric([sid], float(rank.get(str(s.get("ahead")), -1)))
             why.add_metric([sid, str(s.get("level_reason", ""))], 1.0)
             for level, n in (s.get("bytes_by_level") or {}).items():
