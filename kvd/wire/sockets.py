@@ -169,11 +169,11 @@ TRIM_HEAVY_BYTES = 16 << 20  # a peer that held this much (in or out) makes its 
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "opened", "base_received", "base_acked", "base_in", "base_out", "unread", "held",
-                 "left", "stalled", "suspect", "cut")
+    __slots__ = ("sock", "fd", "ino", "opened", "base_received", "base_acked", "base_in", "base_out", "unread",
+                 "held", "left", "stalled", "suspect", "cut")
 
-    def __init__(self, sock: socket.socket, fd: int, opened: float) -> None:
-        self.sock, self.fd, self.opened = sock, fd, opened
+    def __init__(self, sock: socket.socket, fd: int, ino: int, opened: float) -> None:
+        self.sock, self.fd, self.ino, self.opened = sock, fd, ino, opened
         self.base_received = self.base_acked = self.base_in = self.base_out = 0
         self.unread = self.held = self.left = 0  # left: reply bytes that reached the kernel
         self.stalled = self.cut = False
@@ -190,7 +190,11 @@ class ConnectionGuard:
     the peer acknowledged; the socket's send queue) with what the serving loop took from and gave to that
     connection (messages carry their connection's descriptor, ``ZMQ_SRCFD``; sizes are counted as on the wire,
     :func:`wire_bytes`). Connections are learned from the socket's monitor (accepted / disconnected); the guard
-    keeps a duplicate of each descriptor, so it only ever acts on the connection it measured.
+    keeps a duplicate of each descriptor, so it only ever acts on the connection it measured. The events of one
+    connection can come out of order (ACCEPTED is sent by the listener's I/O thread, DISCONNECTED by the
+    engine's: a peer refused at once is announced closed first), so by the time an ACCEPTED is read its
+    descriptor number may name another socket: the guard takes it only if it is a connection to the listener
+    that announced it (same local port) and not one it already holds (same socket inode, e.g. its own copy).
 
     Every ``interval_s`` it
 
@@ -231,6 +235,7 @@ class ConnectionGuard:
         self.sent_total_seen = 0  # sent_total at that look
         self.cuts = 0
         self._conns: dict[int, _Conn] = {}
+        self._inodes: set[int] = set()  # the sockets of _conns
         self._trim_at: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -297,6 +302,7 @@ class ConnectionGuard:
             for conn in self._conns.values():
                 conn.sock.close()
             self._conns.clear()
+            self._inodes.clear()
             monitor.close(0)
 
     def _events(self) -> None:
@@ -308,19 +314,27 @@ class ConnectionGuard:
             event, fd = struct.unpack("=Hi", parts[0][:6])
             if event == zmq.EVENT_ACCEPTED:
                 self._forget(fd)
-                self._accept(fd)
+                self._accept(fd, parts[1] if len(parts) > 1 else b"")
             else:  # DISCONNECTED / CLOSED
                 self._forget(fd)
 
-    def _accept(self, fd: int) -> None:
+    def _accept(self, fd: int, endpoint: bytes) -> None:
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             return  # already closed again
-        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-            sock.close()
+        try:
+            ino = os.fstat(sock.fileno()).st_ino
+            port = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+        except OSError:
+            ino, port = None, None
+        # the listener's port ends the endpoint it announced ("tcp://host:port", "tcp://[::1]:port")
+        listener_port = endpoint.rpartition(b":")[2]
+        if (sock.type != socket.SOCK_STREAM or port is None or ino is None or ino in self._inodes
+                or not listener_port.isdigit() or port != int(listener_port)):
+            sock.close()  # a late event: the number now names another socket, or one already held
             return
-        conn = _Conn(sock, fd, time.monotonic())
+        conn = _Conn(sock, fd, ino, time.monotonic())
         # the bases: what was already counted on either side when the guard met the connection
         conn.base_in, conn.base_out = self.delivered.get(fd, 0), self.sent.get(fd, 0)
         info = self._info(conn)
@@ -329,11 +343,13 @@ class ConnectionGuard:
             return
         conn.base_received, conn.base_acked = info
         self._conns[fd] = conn
+        self._inodes.add(ino)
 
     def _forget(self, fd: int) -> None:
         conn = self._conns.pop(fd, None)
         if conn is None:
             return
+        self._inodes.discard(conn.ino)
         if max(conn.unread, conn.held) >= TRIM_HEAVY_BYTES:
             self._trim_at = time.monotonic() + TRIM_AFTER_S
         self.in_kernel.pop(fd, None)

@@ -1,0 +1,136 @@
+"""The connection guard keeps a duplicate of each connection's descriptor, learned from the socket's monitor. It
+must never keep a connection open that ZeroMQ closed: libzmq announces a connection's ACCEPTED from the
+listener's I/O thread and its DISCONNECTED from the engine's, so with two I/O threads a peer refused at once is
+announced closed before it is announced accepted, and by the time the guard reads the late ACCEPTED its
+descriptor number names something else. A garbage peer was held open that way (CI, test_wire_handshake)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from kvd.wire.sockets import ConnectionGuard
+
+pytestmark = pytest.mark.integration
+
+
+class Listener:
+    """A plain TCP listener on 127.0.0.1 standing in for ZeroMQ's, and a guard fed the events it would see."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}".encode()
+        self._events = ctx.socket(zmq.PAIR)
+        monitor = ctx.socket(zmq.PAIR)
+        addr = f"inproc://guard-events-{id(self)}"
+        monitor.bind(addr)
+        self._events.connect(addr)
+        self.guard = ConnectionGuard(monitor, curve=False, max_message_bytes=1 << 20, max_inbound_bytes=1 << 24,
+                                     max_reply_bytes=1 << 24, interval_s=0.02, name="test-guard")
+        assert self.guard.start()
+
+    def connect(self) -> tuple[socket.socket, socket.socket]:
+        """(the peer's end, the server's end) of a new connection."""
+        peer = socket.create_connection(self.sock.getsockname())
+        server_end, _ = self.sock.accept()
+        return peer, server_end
+
+    def event(self, event: int, fd: int, endpoint: bytes | None = None) -> None:
+        self._events.send_multipart([struct.pack("=Hi", event, fd), endpoint or self.endpoint])
+
+    def close(self) -> None:
+        self.guard.stop()
+        self._events.close(0)
+        self.sock.close()
+
+
+@pytest.fixture
+def listener() -> Iterator[Listener]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    lst = Listener(ctx)
+    yield lst
+    lst.close()
+    ctx.term()
+
+
+def _copies(fd: int) -> list[int]:
+    """The other descriptors of this process open on the same socket as ``fd``."""
+    ino = os.fstat(fd).st_ino
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        other = int(name)
+        if other == fd:
+            continue
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == f"socket:[{ino}]":
+                found.append(other)
+        except OSError:
+            continue
+    return found
+
+
+def _wait_for(what: Any, timeout_s: float = 5.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.01)
+    return what()
+
+
+def _sees_eof(peer: socket.socket, timeout_s: float = 3.0) -> bool:
+    peer.settimeout(timeout_s)
+    try:
+        return peer.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_late_accepted_naming_the_guards_own_copy_does_not_hold_that_connection_open(listener: Listener) -> None:
+    peer, server_end = listener.connect()
+    listener.event(zmq.EVENT_ACCEPTED, server_end.fileno())
+    guard_copy = _wait_for(lambda: _copies(server_end.fileno()))
+    assert len(guard_copy) == 1, "the guard keeps one duplicate of an accepted connection"
+    # an earlier connection's late ACCEPTED, whose descriptor number the guard's own copy has taken since
+    listener.event(zmq.EVENT_ACCEPTED, guard_copy[0])
+    # ZeroMQ closes the connection (a handshake timeout): the peer must see it closed
+    listener.event(zmq.EVENT_DISCONNECTED, server_end.fileno())
+    server_end.close()
+    assert _sees_eof(peer), "the guard still holds the connection ZeroMQ closed"
+    peer.close()
+
+
+def test_a_late_accepted_naming_a_socket_of_another_listener_is_ignored(listener: Listener) -> None:
+    # a connection of this process that is not the server's (a Ray actor has many) now has the number
+    other = socket.create_server(("127.0.0.1", 0))
+    peer = socket.create_connection(other.getsockname())
+    mine, _ = other.accept()
+    listener.event(zmq.EVENT_ACCEPTED, mine.fileno())
+    ours, our_end = listener.connect()  # a later event the guard handles only after the one above
+    listener.event(zmq.EVENT_ACCEPTED, our_end.fileno())
+    assert _wait_for(lambda: _copies(our_end.fileno())), "the guard did not take the real connection"
+    assert _copies(mine.fileno()) == [], "the guard took a copy of a socket that is not its server's"
+    mine.close()
+    assert _sees_eof(peer), "the guard holds another listener's connection open"
+    for s in (peer, other, ours, our_end):
+        s.close()
+
+
+def test_the_guard_lets_go_of_a_connection_zeromq_closed(listener: Listener) -> None:
+    peer, server_end = listener.connect()
+    listener.event(zmq.EVENT_ACCEPTED, server_end.fileno())
+    assert _wait_for(lambda: _copies(server_end.fileno()))
+    listener.event(zmq.EVENT_DISCONNECTED, server_end.fileno())
+    server_end.close()
+    assert _sees_eof(peer)
+    peer.close()
