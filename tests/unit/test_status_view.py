@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvd.cli.status import StatusMetrics, imbalance, serving_table, shard_table, status_line
@@ -95,3 +97,19 @@ def test_the_exporter_serves_each_shards_busy_replies_drops_cuts_and_queue() -> 
         assert got == want
     finally:
         metrics.close()
+
+
+def test_every_metric_the_exporter_serves_is_named_in_the_cluster_readme() -> None:
+    pytest.importorskip("prometheus_client")
+    readme = (Path(__file__).resolve().parents[2] / "cluster" / "README.md").read_text()
+    metrics = StatusMetrics(0, "127.0.0.1")
+    try:
+        cluster = {"level": "q8", "level_epoch": 3, "pressure": 0.5, "topology_epoch": 2, "imbalance": 1.2,
+                   "upgrades": 1, "downgrades": 0}
+        metrics.update(cluster, {"shard-0": shard("q4", 0.9, ahead="q4", level_reason="full", squeezes=2,
+                                                  **SERVING)})
+        served = {smp.name for m in metrics.collect() for smp in m.samples}
+    finally:
+        metrics.close()
+    assert len(served) > 30
+    assert sorted(name for name in served if f"`{name}" not in readme) == []
