@@ -10,7 +10,9 @@ runs), msgpack with every container limit and no extension types, the header is 
 the protocol version, then every field's type (:class:`ProtocolError`) and range (:class:`InvalidArgument`),
 and finally each binary frame against the dtype and shape the header declares. Tensor frames become read-only
 numpy views of the received buffers; outgoing tensors are sent as memoryviews of the caller's arrays, so no
-payload byte is copied on either side. No zmq import here: the server and client own the sockets.
+payload byte is copied on either side. No zmq import here: the server and client own the sockets. The messages
+small requests are made of (a get, an append, and their replies) are read first by flat functions that make the
+same checks inline and hand anything unusual to the generic decoder (see "the fast path", at the end).
 
 Layout: this module is the codec (opening frames, encoding, decoding) and the public module: it re-exports
 the message classes (:mod:`kvd.wire.messages`), the constants, field checks and :class:`Limits`
@@ -26,6 +28,7 @@ from dataclasses import fields
 from typing import Any
 
 import msgpack
+import numpy as np
 from msgpack.exceptions import StackError
 
 from kvd.errors import InvalidArgument, KvdError, MessageTooLarge, ProtocolError, UnsupportedVersion
@@ -424,12 +427,16 @@ def decode_request(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Re
     Raises :class:`ProtocolError` (malformed), :class:`MessageTooLarge`, :class:`UnsupportedVersion` or
     :class:`InvalidArgument` (a value out of range), each naming the field and value; never anything else.
     """
-    return _decode_request(frames, limits, DecodeContext())
+    request = _fast_request(frames, limits)
+    return request if request is not None else _decode_request(frames, limits, DecodeContext())
 
 
 def parse_request(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Request | ErrorReply:
     """Like :func:`decode_request`, but a bad request becomes the :class:`ErrorReply` to send back (carrying
     the request id whenever the header had a readable one). For the server loop: it never raises."""
+    request = _fast_request(frames, limits)
+    if request is not None:
+        return request
     ctx = DecodeContext()
     try:
         return _decode_request(frames, limits, ctx)
@@ -442,6 +449,12 @@ def decode_reply(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Repl
 
     Raises the same errors as :func:`decode_request` when the reply itself is malformed.
     """
+    reply = _fast_reply(frames, limits)
+    return reply if reply is not None else _decode_reply(frames, limits)
+
+
+def _decode_reply(frames: Sequence[Any], limits: Limits) -> Reply:
+    """The generic reply decoder: every reply, every check, every error."""
     header, rest = open_message(frames, limits, DecodeContext())
     ok = header.get("ok")
     if ok is False:  # the error reply is the same in every protocol version, so it is read whatever v says
@@ -460,3 +473,214 @@ def decode_reply(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Repl
     else:
         raise ProtocolError(f"reply op must be one of {', '.join(REQUESTS)}, got {show(op)}")
     return _build(cls, header, rest, limits, ("v", "id", "op", "ok"))
+
+
+# ---- the fast path of the messages small requests are made of -------------------------------------------------
+# Each side waits for the other, and wakes up to a message with cold caches: there every call and branch of the
+# generic decoder costs several times its warm price (a 64 KiB get reply: ~7 us in a tight loop, ~30 us of the
+# client's CPU per request in a real round trip; BENCHMARKS.md, issue 19). So the messages of small requests, a
+# get and an append and their replies, are read by one flat function each when their header has exactly the keys
+# kvd's own client and server send. It checks everything the generic decoder checks, in the same terms, and
+# returns None for anything else (another key set, a wrong type, a value out of range, a non-ASCII string, a
+# frame over a limit), which the generic decoder then decodes or refuses with its own error. So the result is
+# always the generic decoder's (tests/unit/test_protocol_fast.py compares the two on valid and broken messages).
+
+_GET_REPLY_KEYS = frozenset(("v", "id", "op", "ok", "start", "end", "layers", "format", "dtype", "shape"))
+_APPEND_REPLY_KEYS = frozenset(("v", "id", "op", "ok", "length"))
+_FIXMAP = 0x80  # msgpack's first byte of a map of up to 15 entries is 0x80 + the count
+_F16 = DTYPES["float16"]
+_new, _set = object.__new__, object.__setattr__
+
+
+def _byte_frame(frame: Any) -> bool:
+    return type(frame) is bytes or (type(frame) is memoryview and frame.ndim == 1 and frame.format == "B")
+
+
+def _fast_reply(frames: Any, limits: Limits) -> AppendReply | GetReply | None:
+    """An fp16 get reply or an append reply in kvd's own header shape, else None (see above)."""
+    if type(frames) is not list and type(frames) is not tuple:
+        return None
+    n = len(frames)
+    if n == 3:
+        keys = _GET_REPLY_KEYS
+    elif n == 1:
+        keys = _APPEND_REPLY_KEYS
+    else:
+        return None
+    head = frames[0]
+    if not _byte_frame(head):
+        return None
+    size = len(head)
+    # one byte says the header is a map of exactly that many entries: with the exact key set after unpacking,
+    # there was no duplicate key, and no value of the accepted types below is a map (and max_frames is >= 3)
+    if not 0 < size <= limits.max_header_bytes or head[0] != _FIXMAP + len(keys):
+        return None
+    try:
+        header = msgpack.unpackb(head, **_unpack_options(limits.max_header_bytes,
+                                                         max(limits.max_pages, _MIN_ARRAY_LEN)))
+    except Exception:  # noqa: BLE001 - the generic decoder says what is wrong
+        return None
+    if type(header) is not dict or header.keys() != keys:
+        return None
+    v, rid = header["v"], header["id"]
+    if (header["ok"] is not True or type(v) is not int or v != PROTOCOL_VERSION
+            or type(rid) is not int or not 0 <= rid <= MAX_REQUEST_ID):
+        return None
+    if n == 1:
+        length = header["length"]
+        if header["op"] != "append" or type(length) is not int or not 0 <= length <= MAX_POSITION:
+            return None
+        reply = _new(AppendReply)
+        _set(reply, "request_id", rid)
+        _set(reply, "length", length)
+        return reply
+    start, end, layers, shape = header["start"], header["end"], header["layers"], header["shape"]
+    if (header["op"] != "get" or header["format"] != "fp16" or header["dtype"] != "float16"
+            or type(start) is not int or type(end) is not int or not 0 <= start <= end <= MAX_POSITION
+            or type(layers) is not list or not layers or type(shape) is not list or len(shape) != 4):
+        return None
+    for layer in layers:
+        if type(layer) is not int or not 0 <= layer <= MAX_INDEX:
+            return None
+    n_layers = len(layers)
+    if len(set(layers)) != n_layers:
+        return None
+    shape_layers, tokens, heads, dim = shape
+    if (type(shape_layers) is not int or type(tokens) is not int or type(heads) is not int or type(dim) is not int
+            or shape_layers != n_layers or tokens != end - start or tokens > MAX_INDEX
+            or not 1 <= heads <= MAX_INDEX or not 1 <= dim <= MAX_INDEX):
+        return None
+    key_frame, value_frame = frames[1], frames[2]
+    need = n_layers * tokens * heads * dim * 2
+    if (not _byte_frame(key_frame) or not _byte_frame(value_frame) or len(key_frame) != need
+            or len(value_frame) != need or need > limits.max_frame_bytes
+            or size + 2 * need > limits.max_message_bytes):
+        return None
+    dims = (n_layers, tokens, heads, dim)
+    got = _new(GetReply)  # every field set below (GetReply.trusted, without its loop and keyword dict)
+    _set(got, "request_id", rid)
+    _set(got, "start", start)
+    _set(got, "end", end)
+    _set(got, "layers", tuple(layers))
+    _set(got, "keys", np.ndarray(dims, _F16, key_frame))
+    _set(got, "values", np.ndarray(dims, _F16, value_frame))
+    _set(got, "dtype", "float16")
+    return got
+
+
+_GET_REQUEST_KEYS = frozenset(("v", "id", "op", "namespace", "seq_id", "start", "end", "layers", "format"))
+_APPEND_REQUEST_KEYS = frozenset(("v", "id", "op", "namespace", "seq_id", "offset", "dtype", "shape"))
+_APPEND_REQUEST_MORE = frozenset(("position", "incarnation"))  # on the wire only when set (protocol 1.3)
+
+
+def _fast_request(frames: Any, limits: Limits) -> AppendRequest | GetRequest | None:
+    """A get or an append request in kvd's own client's header shape, else None (see above)."""
+    if type(frames) is not list and type(frames) is not tuple:
+        return None
+    n = len(frames)
+    if n != 1 and n != 3:
+        return None
+    head = frames[0]
+    if not _byte_frame(head):
+        return None
+    size = len(head)
+    if not 0 < size <= limits.max_header_bytes:
+        return None
+    declared = head[0] - _FIXMAP
+    if n == 1:
+        if declared != 9:
+            return None
+    elif not 8 <= declared <= 10:
+        return None
+    try:
+        header = msgpack.unpackb(head, **_unpack_options(limits.max_header_bytes,
+                                                         max(limits.max_pages, _MIN_ARRAY_LEN)))
+    except Exception:  # noqa: BLE001 - the generic decoder says what is wrong
+        return None
+    if type(header) is not dict or len(header) != declared:  # fewer keys than declared: a duplicate key
+        return None
+    if n == 1:
+        if header.keys() != _GET_REQUEST_KEYS or header["op"] != "get":
+            return None
+    elif not _APPEND_REQUEST_KEYS <= header.keys() <= _APPEND_REQUEST_KEYS | _APPEND_REQUEST_MORE or (
+            header["op"] != "append"):
+        return None
+    v, rid, namespace, seq_id = header["v"], header["id"], header["namespace"], header["seq_id"]
+    if (type(v) is not int or v != PROTOCOL_VERSION or type(rid) is not int or not 0 <= rid <= MAX_REQUEST_ID
+            or type(namespace) is not str or not namespace.isascii()
+            or not 0 < len(namespace) <= MAX_NAMESPACE_BYTES):
+        return None
+    if type(seq_id) is int:
+        if not 0 <= seq_id <= MAX_POSITION:
+            return None
+    elif type(seq_id) is not str or not seq_id.isascii() or len(seq_id) > MAX_SEQ_ID_BYTES:
+        return None
+    if n == 1:
+        return _fast_get_request(header, rid, namespace, seq_id)
+    return _fast_append_request(header, frames, size, limits, rid, namespace, seq_id)
+
+
+def _fast_get_request(header: dict[str, Any], rid: int, namespace: str, seq_id: SeqId) -> GetRequest | None:
+    start, end, layers, fmt = header["start"], header["end"], header["layers"], header["format"]
+    if type(start) is not int or not 0 <= start <= MAX_POSITION or (fmt != "fp16" and fmt != "pages"):
+        return None
+    if end is not None and (type(end) is not int or not start <= end <= MAX_POSITION):
+        return None
+    if layers is not None:
+        if type(layers) is not list or not layers:
+            return None
+        for layer in layers:
+            if type(layer) is not int or not 0 <= layer <= MAX_INDEX:
+                return None
+        if len(set(layers)) != len(layers):
+            return None
+        layers = tuple(layers)
+    req = _new(GetRequest)
+    _set(req, "request_id", rid)
+    _set(req, "namespace", namespace)
+    _set(req, "seq_id", seq_id)
+    _set(req, "start", start)
+    _set(req, "end", end)
+    _set(req, "layers", layers)
+    _set(req, "format", fmt)
+    _set(req, "packed", False)
+    return req
+
+
+def _fast_append_request(header: dict[str, Any], frames: Any, size: int, limits: Limits, rid: int,
+                         namespace: str, seq_id: SeqId) -> AppendRequest | None:
+    offset, dtype, shape = header["offset"], header["dtype"], header["shape"]
+    position, incarnation = header.get("position"), header.get("incarnation")
+    if offset is not None and (type(offset) is not int or not 0 <= offset <= MAX_POSITION):
+        return None
+    if position is not None and (type(position) is not int or not 0 <= position <= MAX_POSITION):
+        return None
+    if incarnation is not None and (type(incarnation) is not str or not incarnation.isascii()
+                                    or not 0 < len(incarnation) <= MAX_TEXT_BYTES):
+        return None
+    if type(dtype) is not str or dtype not in DTYPES or type(shape) is not list or len(shape) != 4:
+        return None
+    n_layers, tokens, heads, dim = shape
+    if (type(n_layers) is not int or type(tokens) is not int or type(heads) is not int or type(dim) is not int
+            or not 1 <= n_layers <= MAX_INDEX or not 1 <= tokens <= MAX_INDEX or not 1 <= heads <= MAX_INDEX
+            or not 1 <= dim <= MAX_INDEX):
+        return None
+    kind = DTYPES[dtype]
+    key_frame, value_frame = frames[1], frames[2]
+    need = n_layers * tokens * heads * dim * kind.itemsize
+    if (not _byte_frame(key_frame) or not _byte_frame(value_frame) or len(key_frame) != need
+            or len(value_frame) != need or need > limits.max_frame_bytes
+            or size + 2 * need > limits.max_message_bytes):
+        return None
+    dims = (n_layers, tokens, heads, dim)
+    req = _new(AppendRequest)
+    _set(req, "request_id", rid)
+    _set(req, "namespace", namespace)
+    _set(req, "seq_id", seq_id)
+    _set(req, "keys", np.ndarray(dims, kind, key_frame))
+    _set(req, "values", np.ndarray(dims, kind, value_frame))
+    _set(req, "offset", offset)
+    _set(req, "dtype", dtype)
+    _set(req, "position", position)
+    _set(req, "incarnation", incarnation)
+    return req

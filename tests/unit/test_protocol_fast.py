@@ -1,0 +1,296 @@
+"""kvd.wire.protocol's fast path for the replies a client reads most (an fp16 get's, an append's): it must give
+exactly what the generic decoder gives, value or error, on valid replies and on every broken variant of them,
+and it must really be taken for the replies kvd's server sends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvd.errors import KvdError
+from kvd.wire import protocol as p
+
+RNG = np.random.default_rng(19)
+
+
+def get_frames(layers: tuple[int, ...] = (0, 3), start: int = 5, tokens: int = 4, heads: int = 2,
+               dim: int = 8, request_id: int = 41) -> list[Any]:
+    shape = (len(layers), tokens, heads, dim)
+    keys = RNG.standard_normal(shape).astype(np.float16)
+    values = RNG.standard_normal(shape).astype(np.float16)
+    reply = p.GetReply(request_id=request_id, start=start, end=start + tokens, layers=layers, keys=keys,
+                       values=values)
+    return [bytes(f) for f in p.encode_reply(reply)]
+
+
+def append_frames(length: int = 77, request_id: int = 9) -> list[Any]:
+    return [bytes(f) for f in p.encode_reply(p.AppendReply(request_id=request_id, length=length))]
+
+
+def outcome(decode: Any, frames: Any, limits: p.Limits = p.DEFAULT_LIMITS) -> tuple[Any, ...]:
+    """What a decoder makes of ``frames``: the reply's every field (arrays by shape, dtype, flags and bytes), or
+    the error's class and message."""
+    try:
+        reply = decode(frames, limits)
+    except KvdError as exc:
+        return ("error", type(exc), str(exc))
+    out: list[Any] = [type(reply)]
+    for name in p._FIELD_NAMES[type(reply)]:
+        value = getattr(reply, name)
+        if isinstance(value, np.ndarray):
+            value = (value.shape, value.dtype.str, value.flags.writeable, value.tobytes())
+        out.append((name, value))
+    return tuple(out)
+
+
+def with_header(frames: list[Any], **changes: Any) -> list[Any]:
+    """``frames`` with the header's fields changed (a value of ``DROP`` removes the key)."""
+    header = msgpack.unpackb(frames[0])
+    for key, value in changes.items():
+        if value is DROP:
+            header.pop(key)
+        else:
+            header[key] = value
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+DROP = object()
+
+VALID = [
+    pytest.param(get_frames(), id="get"),
+    pytest.param(get_frames(layers=(7,), start=0, tokens=1, heads=8, dim=128, request_id=2**64 - 1), id="get 1x1"),
+    pytest.param(get_frames(layers=(2, 1, 0), start=2**40, tokens=0), id="get no tokens"),
+    pytest.param(append_frames(), id="append"),
+    pytest.param(append_frames(length=0, request_id=0), id="append 0"),
+    pytest.param(append_frames(length=2**63 - 1), id="append max"),
+]
+
+
+@pytest.mark.parametrize("frames", VALID)
+def test_the_fast_path_is_taken_for_kvds_own_replies_and_agrees_with_the_generic_one(frames: list[Any]) -> None:
+    assert p._fast_reply(frames, p.DEFAULT_LIMITS) is not None
+    as_views = [memoryview(f) for f in frames]  # what a client hands over: views of the received frames
+    assert p._fast_reply(as_views, p.DEFAULT_LIMITS) is not None
+    for given in (frames, as_views, tuple(frames)):
+        assert outcome(p.decode_reply, given) == outcome(p._decode_reply, given)
+    assert outcome(p.decode_reply, frames)[0] in (p.GetReply, p.AppendReply)
+
+
+def _get_variants() -> list[Any]:
+    base = get_frames()
+    header = msgpack.unpackb(base[0])
+    out: list[Any] = []
+    for key in header:
+        out.append(pytest.param(with_header(base, **{key: DROP}), id=f"no {key}"))
+    bad_values: dict[str, list[Any]] = {
+        "v": [2, 0, True, "1", 1.0, None],
+        "id": [-1, -2**63, True, "41", None, 1.5],
+        "ok": [1, None, False, "true"],
+        "op": ["append", 5, None, "GET"],
+        "format": ["pages", None, b"fp16", "FP16"],
+        "dtype": ["float32", "bfloat16", None, 16],
+        "start": [-1, True, 2**63, None, 1.5, 6],
+        "end": [4, 2**63, True, None, 10],
+        "layers": [[], [0, 0], [-1, 3], [True, 3], [2**31, 3], "03", None, [0, 3.0], [[0], 3], [{"a": 1}, 3]],
+        "shape": [[2, 4, 2], [2, 4, 2, 0], [2, 5, 2, 8], [3, 4, 2, 8], [True, 4, 2, 8], [2, 4, 2, 2**31],
+                  "x", None, [2, 4, 2, 8, 1], [2.0, 4, 2, 8], [2, 4, {"h": 2}, 8]],
+    }
+    for key, values in bad_values.items():
+        for value in values:
+            out.append(pytest.param(with_header(base, **{key: value}), id=f"{key}={value!r}"))
+    out.append(pytest.param(with_header(base, extra=1), id="extra key"))
+    out.append(pytest.param(with_header(base, info={"a": 1}), id="extra nested map"))
+    # a duplicate key: the map declares 10 entries, one of them a second "op"
+    raw = base[0]
+    header_items = list(msgpack.unpackb(raw).items())
+    header_items[-1] = ("op", "get")
+    dup = b"\x8a" + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in header_items)
+    out.append(pytest.param([dup, *base[1:]], id="duplicate key"))
+    out.append(pytest.param([raw + b"\x00", *base[1:]], id="trailing byte"))
+    out.append(pytest.param([b"", *base[1:]], id="empty header"))
+    out.append(pytest.param([raw, base[1][:-2], base[2]], id="short keys frame"))
+    out.append(pytest.param([raw, base[1], base[2] + b"\x00\x00"], id="long values frame"))
+    out.append(pytest.param([raw, bytearray(base[1]), base[2]], id="bytearray frame"))
+    out.append(pytest.param([raw, memoryview(base[1]).cast("H"), base[2]], id="uint16 view frame"))
+    out.append(pytest.param([with_header(base, shape=[2, 4, 2, 0])[0], b"", b""], id="no dims, empty frames"))
+    out.append(pytest.param([with_header(base, shape=[2, 4, 0, 8])[0], b"", b""], id="no heads, empty frames"))
+    out.append(pytest.param([raw, base[1]], id="two frames"))
+    out.append(pytest.param([raw, base[1], base[2], b""], id="four frames"))
+    out.append(pytest.param([bytearray(raw), *base[1:]], id="bytearray header"))
+    return out
+
+
+def _append_variants() -> list[Any]:
+    base = append_frames()
+    out: list[Any] = []
+    for key in msgpack.unpackb(base[0]):
+        out.append(pytest.param(with_header(base, **{key: DROP}), id=f"no {key}"))
+    for value in [-1, True, 2**63, "3", None, 2.0]:
+        out.append(pytest.param(with_header(base, length=value), id=f"length={value!r}"))
+    out.append(pytest.param(with_header(base, op="get"), id="op=get"))
+    out.append(pytest.param(with_header(base, ok=False), id="ok=false"))
+    out.append(pytest.param(with_header(base, v=2), id="v=2"))
+    out.append(pytest.param(with_header(base, extra="x"), id="extra key"))
+    out.append(pytest.param([*base, b"x"], id="a frame too many"))
+    err = p.encode_reply(p.error_reply(9, KvdError("boom")))
+    out.append(pytest.param([bytes(f) for f in err], id="an error reply"))
+    return out
+
+
+@pytest.mark.parametrize("frames", _get_variants() + _append_variants())
+def test_a_broken_reply_gets_the_generic_decoders_answer(frames: Any) -> None:
+    assert outcome(p.decode_reply, frames) == outcome(p._decode_reply, frames)
+
+
+@pytest.mark.parametrize(("limits", "refused"), [
+    pytest.param(p.Limits(max_frame_bytes=16383), True, id="frame limit"),
+    pytest.param(p.Limits(max_header_bytes=4096, max_message_bytes=32767), True, id="message limit"),
+    pytest.param(p.Limits(max_frame_bytes=16384, max_header_bytes=4096, max_message_bytes=32768 + 4096), False,
+                 id="just within"),
+    pytest.param(p.Limits(max_frames=3), False, id="the fewest frames"),
+])
+def test_the_fast_path_keeps_the_limits(limits: p.Limits, refused: bool) -> None:
+    frames = get_frames(heads=8, dim=128)  # 2 layers x 4 tokens x 8 heads x 128 dims x 2 bytes = 16 KiB a frame
+    assert outcome(p.decode_reply, frames, limits) == outcome(p._decode_reply, frames, limits)
+    assert (outcome(p.decode_reply, frames, limits)[0] == "error") is refused
+
+
+# ---- requests: a get and an append as kvd's client sends them --------------------------------------------------
+
+
+def generic_parse(frames: Any, limits: p.Limits = p.DEFAULT_LIMITS) -> Any:
+    """parse_request without the fast path."""
+    ctx = p.DecodeContext()
+    try:
+        return p._decode_request(frames, limits, ctx)
+    except KvdError as exc:
+        return p.error_reply(ctx.request_id, exc)
+
+
+def generic_decode(frames: Any, limits: p.Limits = p.DEFAULT_LIMITS) -> Any:
+    return p._decode_request(frames, limits, p.DecodeContext())
+
+
+def get_request(**fields: Any) -> list[Any]:
+    base: dict[str, Any] = {"request_id": 12, "namespace": "ns", "seq_id": "seq-1"}
+    return [bytes(f) for f in p.encode_request(p.GetRequest(**{**base, **fields}))]
+
+
+def append_request(dtype: str = "float16", shape: tuple[int, ...] = (2, 3, 2, 8), **fields: Any) -> list[Any]:
+    base: dict[str, Any] = {"request_id": 13, "namespace": "ns", "seq_id": "seq-1"}
+    if dtype == "bfloat16":
+        keys = RNG.integers(0, 2**16, shape, dtype=np.uint16)
+        values = RNG.integers(0, 2**16, shape, dtype=np.uint16)
+        fields["dtype"] = "bfloat16"
+    else:
+        keys = RNG.standard_normal(shape).astype(dtype)
+        values = RNG.standard_normal(shape).astype(dtype)
+    return [bytes(f) for f in p.encode_request(p.AppendRequest(keys=keys, values=values, **{**base, **fields}))]
+
+
+VALID_REQUESTS = [
+    pytest.param(get_request(), id="get"),
+    pytest.param(get_request(seq_id=7, start=3, end=9, layers=(4, 0)), id="get int seq, range, layers"),
+    pytest.param(get_request(seq_id="", format="pages", end=3), id="get pages, empty seq id"),
+    pytest.param(get_request(namespace="n" * 256, seq_id="s" * 1024, start=2**63 - 1), id="get longest texts"),
+    pytest.param(append_request(), id="append"),
+    pytest.param(append_request("float32", offset=5, position=64), id="append f32, offset, position"),
+    pytest.param(append_request("bfloat16", shape=(1, 1, 1, 1), incarnation="inc-1"), id="append bf16"),
+    pytest.param(append_request(seq_id=2**63 - 1, offset=0, position=0, incarnation="i" * 1024), id="append most"),
+]
+
+
+@pytest.mark.parametrize("frames", VALID_REQUESTS)
+def test_the_fast_path_is_taken_for_kvds_own_requests_and_agrees_with_the_generic_one(frames: list[Any]) -> None:
+    assert p._fast_request(frames, p.DEFAULT_LIMITS) is not None
+    as_views = [memoryview(f) for f in frames]  # what the server hands over: views of the received frames
+    assert p._fast_request(as_views, p.DEFAULT_LIMITS) is not None
+    for given in (frames, as_views, tuple(frames)):
+        assert outcome(p.decode_request, given) == outcome(generic_decode, given)
+        assert outcome(p.parse_request, given) == outcome(generic_parse, given)
+
+
+def _variants(base: list[Any], bad_values: dict[str, list[Any]]) -> list[Any]:
+    out: list[Any] = []
+    for key in msgpack.unpackb(base[0]):
+        out.append(pytest.param(with_header(base, **{key: DROP}), id=f"no {key}"))
+    for key, values in bad_values.items():
+        for value in values:
+            out.append(pytest.param(with_header(base, **{key: value}), id=f"{key}={value!r}"[:60]))
+    out.append(pytest.param(with_header(base, extra=1), id="extra key"))
+    raw = base[0]
+    items = list(msgpack.unpackb(raw).items())
+    items[-1] = ("op", items[2][1])  # the map declares as many entries as before, one of them a second "op"
+    dup = bytes([raw[0]]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in items)
+    out.append(pytest.param([dup, *base[1:]], id="duplicate key"))
+    out.append(pytest.param([raw + b"\x00", *base[1:]], id="trailing byte"))
+    out.append(pytest.param([b"", *base[1:]], id="empty header"))
+    out.append(pytest.param([bytearray(raw), *base[1:]], id="bytearray header"))
+    out.append(pytest.param([*base, b""], id="a frame too many"))
+    return out
+
+
+_TEXT_AND_IDS: dict[str, list[Any]] = {
+    "v": [2, True, "1", None],
+    "id": [-1, True, "12", None, 1.5],
+    "namespace": ["", "n" * 257, "é", "é" * 200, 5, None, b"ns"],  # 200 characters, 400 bytes of UTF-8
+    "seq_id": ["", "é", "é" * 600, "s" * 1025, -1, True, 2**63, None, 1.5, b"s", ["s"]],
+}
+
+GET_VARIANTS = _variants(get_request(end=8, layers=(0, 2)), {
+    **_TEXT_AND_IDS,
+    "op": ["append", "GET", None],
+    "start": [-1, True, 2**63, None, 1.5, 9],
+    "end": [-1, True, 2**63, 1.5, 7],
+    "layers": [[], [0, 0], [-1], [True], [2**31], "0", [0, 1.0], [[0]]],
+    "format": ["FP16", None, b"fp16", 1],
+    "packed": [True, False, None, 1],
+}) + _variants(get_request(), {"start": [5], "end": [0, 4], "layers": [[3]], "format": ["pages"]})
+
+APPEND_VARIANTS = _variants(append_request(position=4, incarnation="abc"), {
+    **_TEXT_AND_IDS,
+    "op": ["get", "APPEND", None],
+    "offset": [-1, True, 2**63, 1.5, "5"],
+    "position": [-1, True, 2**63, None, 1.5],
+    "incarnation": ["", "é", "é" * 600, "i" * 1025, None, 5, b"abc"],
+    "dtype": ["float64", "bfloat16", "float32", None, 16],
+    "shape": [[2, 3, 2], [2, 3, 2, 0], [0, 3, 2, 8], [2, 0, 2, 8], [2, 3, 2, 9], [True, 3, 2, 8], [2, 3, 2, 2**31],
+              "x", None, [2.0, 3, 2, 8]],
+}) + _variants(append_request(), {"position": [0], "incarnation": ["x"]})
+
+
+@pytest.mark.parametrize("frames", GET_VARIANTS + APPEND_VARIANTS)
+def test_a_changed_or_broken_request_gets_the_generic_decoders_answer(frames: Any) -> None:
+    assert outcome(p.decode_request, frames) == outcome(generic_decode, frames)
+    assert outcome(p.parse_request, frames) == outcome(generic_parse, frames)
+
+
+@pytest.mark.parametrize("frames", [
+    pytest.param(lambda b: [b[0], b[1][:-2], b[2]], id="short keys frame"),
+    pytest.param(lambda b: [b[0], b[1], b[2] + b"\x00\x00"], id="long values frame"),
+    pytest.param(lambda b: [b[0], bytearray(b[1]), b[2]], id="bytearray frame"),
+    pytest.param(lambda b: [b[0], memoryview(b[1]).cast("H"), b[2]], id="uint16 view frame"),
+    pytest.param(lambda b: b[:2], id="two frames"),
+    pytest.param(lambda b: [with_header(b, shape=[2, 0, 2, 8])[0], b"", b""], id="no tokens, empty frames"),
+    pytest.param(lambda b: [with_header(b, shape=[2, 3, 0, 8])[0], b"", b""], id="no heads, empty frames"),
+])
+def test_an_append_with_odd_frames_gets_the_generic_decoders_answer(frames: Any) -> None:
+    given = frames(append_request())
+    assert outcome(p.decode_request, given) == outcome(generic_decode, given)
+    assert outcome(p.parse_request, given) == outcome(generic_parse, given)
+
+
+@pytest.mark.parametrize(("limits", "refused"), [
+    pytest.param(p.Limits(max_frame_bytes=16383), True, id="frame limit"),
+    pytest.param(p.Limits(max_header_bytes=4096, max_message_bytes=32767), True, id="message limit"),
+    pytest.param(p.Limits(max_frame_bytes=16384, max_header_bytes=4096, max_message_bytes=32768 + 4096), False,
+                 id="just within"),
+])
+def test_the_request_fast_path_keeps_the_limits(limits: p.Limits, refused: bool) -> None:
+    frames = append_request(shape=(2, 4, 8, 128))  # 16 KiB a frame
+    assert outcome(p.decode_request, frames, limits) == outcome(generic_decode, frames, limits)
+    assert outcome(p.parse_request, frames, limits) == outcome(generic_parse, frames, limits)
+    assert (outcome(p.decode_request, frames, limits)[0] == "error") is refused
