@@ -1,0 +1,145 @@
+"""What the codec's flat paths for small requests save (kvd.wire.protocol, "the fast path"): the same kvd client
+and ShardServer with them and without them (the generic decoder only, as before the fourteenth session), in
+alternating rounds of one run, server in another process over tcp://127.0.0.1.
+
+    python bench/codec_paths.py                       # 1 and 16 tokens (4 and 64 KiB), 1 and 8 in flight
+    python bench/codec_paths.py --tokens 16 --depth 1 --rounds 9
+
+Two servers run side by side: one as shipped, one whose ``parse_request`` is the generic decoder's. The client
+decodes replies with ``decode_reply`` (as shipped) against the first and with the generic ``_decode_reply``
+against the second. Each request: ``get`` (fp16) of a stored sequence of ``tokens``, or ``append`` of
+``tokens`` (keys + values) to one of ``depth`` sequences, dropped every 100 appends. The layout is bench/wire.py's
+(one layer of 8 KV heads x 128: 4 KiB of keys + values per token). Reported: medians over the rounds of the wall
+time per request and of this client thread's CPU per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import wire  # noqa: E402
+
+from kvd.client import Client, recycle_buffers  # noqa: E402
+from kvd.wire import protocol as p  # noqa: E402
+
+PATHS = ("flat (as shipped)", "generic only")
+
+
+def server(conn: Any, generic: bool) -> None:
+    """bench/wire.py's fp16 kvd server; with ``generic``, its requests are parsed by the generic decoder only."""
+    from kvd.errors import KvdError
+    from kvd.wire import protocol
+
+    if generic:
+        def parse(frames: Any, limits: protocol.Limits = protocol.DEFAULT_LIMITS) -> Any:
+            ctx = protocol.DecodeContext()
+            try:
+                return protocol._decode_request(frames, limits, ctx)
+            except KvdError as exc:
+                return protocol.error_reply(ctx.request_id, exc)
+
+        protocol.parse_request = parse  # the server loop looks it up on the module at each request
+    wire.kvd_server(conn, "fp16", wire.GET_CAPACITY_BYTES)
+
+
+def workload(client: Client, op: str, tokens: int, depth: int) -> Any:
+    k, v = wire.kv(tokens)
+    count = [0]
+
+    def get() -> None:
+        if depth == 1:
+            client.get(wire.NS, "read")
+        else:
+            for pending in [client.get_nowait(wire.NS, "read") for _ in range(depth)]:
+                pending.result()
+
+    def append() -> None:
+        count[0] += 1
+        if count[0] % 100 == 0:
+            for j in range(depth):
+                client.drop(wire.NS, f"append-{j}")
+        if depth == 1:
+            client.append(wire.NS, "append-0", k, v)
+        else:
+            for pending in [client.append_nowait(wire.NS, f"append-{j}", k, v) for j in range(depth)]:
+                pending.result()
+
+    return get if op == "get" else append
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1,16", help="tokens per request, comma-separated (4 KiB each)")
+    ap.add_argument("--depth", default="1,8", help="requests in flight, comma-separated")
+    ap.add_argument("--rounds", type=int, default=7, help="alternating rounds per case")
+    ap.add_argument("--seconds", type=float, default=1.5, help="seconds per path per round")
+    args = ap.parse_args()
+    try:
+        sizes = [int(x) for x in args.tokens.split(",")]
+        depths = [int(x) for x in args.depth.split(",")]
+    except ValueError:
+        ap.error("--tokens and --depth take comma-separated integers")
+    if min(sizes) < 1 or min(depths) < 1 or args.rounds < 1 or not args.seconds > 0:
+        ap.error("--tokens, --depth and --rounds must be >= 1, --seconds > 0")
+    recycle_buffers()  # as bench/wire.py's client process
+    decoders = {PATHS[0]: p.decode_reply, PATHS[1]: p._decode_reply}
+    servers: dict[str, tuple[Any, Any, Client]] = {}
+    try:
+        for name in PATHS:
+            proc, endpoint, conn = wire.start(server, name == PATHS[1])
+            client = Client(endpoint, timeout_s=60)
+            servers[name] = (proc, conn, client)
+            client.register(wire.NS, num_layers=wire.LAYERS, num_kv_heads=wire.HEADS, head_dim=wire.DIM)
+        print(f"kvd client and ShardServer, flat codec paths vs the generic decoder only; medians of "
+              f"{args.rounds} alternating rounds of {args.seconds:g} s, us per request")
+        print("| request | tokens | in flight | flat: wall | generic: wall | flat / generic | flat: client CPU | "
+              "generic: client CPU |")
+        print("|---|---|---|---|---|---|---|---|")
+        for tokens in sizes:
+            k, v = wire.kv(tokens)
+            for _, _, client in servers.values():
+                client.drop(wire.NS, "read")
+                client.append(wire.NS, "read", k, v)
+            for op in ("get", "append"):
+                for depth in depths:
+                    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in PATHS}
+                    for _ in range(args.rounds):
+                        for name in PATHS:
+                            client = servers[name][2]
+                            p.decode_reply = decoders[name]  # the client's calls look it up on the module
+                            try:
+                                fn = workload(client, op, tokens, depth)
+                                for _ in range(50):
+                                    fn()
+                                t0, c0, n = time.perf_counter(), time.thread_time(), 0
+                                while time.perf_counter() - t0 < args.seconds:
+                                    fn()
+                                    n += depth
+                                runs[name].append(((time.perf_counter() - t0) / n * 1e6,
+                                                   (time.thread_time() - c0) / n * 1e6))
+                            finally:
+                                p.decode_reply = decoders[PATHS[0]]
+                    wall = [statistics.median(r[0] for r in runs[name]) for name in PATHS]
+                    cpu = [statistics.median(r[1] for r in runs[name]) for name in PATHS]
+                    print(f"| {op} | {tokens} | {depth} | {wall[0]:.1f} | {wall[1]:.1f} | "
+                          f"{wall[0] / wall[1]:.2f} | {cpu[0]:.1f} | {cpu[1]:.1f} |", flush=True)
+    finally:
+        for proc, conn, client in servers.values():
+            client.close()
+            conn.send("stop")
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
