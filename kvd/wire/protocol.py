@@ -496,6 +496,26 @@ def _byte_frame(frame: Any) -> bool:
     return type(frame) is bytes or (type(frame) is memoryview and frame.ndim == 1 and frame.format == "B")
 
 
+def _flat_header(frames: Any, limits: Limits, entries: tuple[int, ...]) -> tuple[dict[str, Any], int] | None:
+    """For a flat path: the header map of ``frames`` and its size, if ``frames`` is a list or tuple whose header
+    is a byte frame within ``max_header_bytes`` declaring a map of one of ``entries`` entries (one byte says so,
+    before msgpack runs), and holding that many distinct keys (fewer: a duplicate key); else None."""
+    head = frames[0]
+    if not _byte_frame(head):
+        return None
+    size = len(head)
+    if not 0 < size <= limits.max_header_bytes or head[0] - _FIXMAP not in entries:
+        return None
+    try:
+        header = msgpack.unpackb(head, **_unpack_options(limits.max_header_bytes,
+                                                         max(limits.max_pages, _MIN_ARRAY_LEN)))
+    except Exception:  # noqa: BLE001 - the generic decoder says what is wrong
+        return None
+    if type(header) is not dict or len(header) != head[0] - _FIXMAP:
+        return None
+    return header, size
+
+
 def _fast_reply(frames: Any, limits: Limits) -> AppendReply | GetReply | None:
     """An fp16 get reply or an append reply in kvd's own header shape, else None (see above)."""
     if type(frames) is not list and type(frames) is not tuple:
@@ -507,21 +527,11 @@ def _fast_reply(frames: Any, limits: Limits) -> AppendReply | GetReply | None:
         keys = _APPEND_REPLY_KEYS
     else:
         return None
-    head = frames[0]
-    if not _byte_frame(head):
+    # with the exact key set, no value of the accepted types below is a map (and max_frames is >= 3)
+    opened = _flat_header(frames, limits, (len(keys),))
+    if opened is None or opened[0].keys() != keys:
         return None
-    size = len(head)
-    # one byte says the header is a map of exactly that many entries: with the exact key set after unpacking,
-    # there was no duplicate key, and no value of the accepted types below is a map (and max_frames is >= 3)
-    if not 0 < size <= limits.max_header_bytes or head[0] != _FIXMAP + len(keys):
-        return None
-    try:
-        header = msgpack.unpackb(head, **_unpack_options(limits.max_header_bytes,
-                                                         max(limits.max_pages, _MIN_ARRAY_LEN)))
-    except Exception:  # noqa: BLE001 - the generic decoder says what is wrong
-        return None
-    if type(header) is not dict or header.keys() != keys:
-        return None
+    header, size = opened
     v, rid = header["v"], header["id"]
     if (header["ok"] is not True or type(v) is not int or v != PROTOCOL_VERSION
             or type(rid) is not int or not 0 <= rid <= MAX_REQUEST_ID):
@@ -578,27 +588,15 @@ def _fast_request(frames: Any, limits: Limits) -> AppendRequest | GetRequest | N
     if type(frames) is not list and type(frames) is not tuple:
         return None
     n = len(frames)
-    if n != 1 and n != 3:
-        return None
-    head = frames[0]
-    if not _byte_frame(head):
-        return None
-    size = len(head)
-    if not 0 < size <= limits.max_header_bytes:
-        return None
-    declared = head[0] - _FIXMAP
     if n == 1:
-        if declared != 9:
-            return None
-    elif not 8 <= declared <= 10:
+        opened = _flat_header(frames, limits, (len(_GET_REQUEST_KEYS),))
+    elif n == 3:
+        opened = _flat_header(frames, limits, (8, 9, 10))  # position and incarnation are sent only when set
+    else:
         return None
-    try:
-        header = msgpack.unpackb(head, **_unpack_options(limits.max_header_bytes,
-                                                         max(limits.max_pages, _MIN_ARRAY_LEN)))
-    except Exception:  # noqa: BLE001 - the generic decoder says what is wrong
+    if opened is None:
         return None
-    if type(header) is not dict or len(header) != declared:  # fewer keys than declared: a duplicate key
-        return None
+    header, size = opened
     if n == 1:
         if header.keys() != _GET_REQUEST_KEYS or header["op"] != "get":
             return None

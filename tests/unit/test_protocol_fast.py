@@ -103,6 +103,7 @@ def _get_variants() -> list[Any]:
             out.append(pytest.param(with_header(base, **{key: value}), id=f"{key}={value!r}"))
     out.append(pytest.param(with_header(base, extra=1), id="extra key"))
     out.append(pytest.param(with_header(base, info={"a": 1}), id="extra nested map"))
+    out.append(pytest.param(with_header(base, format=DROP, formats="fp16"), id="renamed key"))
     # a duplicate key: the map declares 10 entries, one of them a second "op"
     raw = base[0]
     header_items = list(msgpack.unpackb(raw).items())
@@ -134,6 +135,7 @@ def _append_variants() -> list[Any]:
     out.append(pytest.param(with_header(base, ok=False), id="ok=false"))
     out.append(pytest.param(with_header(base, v=2), id="v=2"))
     out.append(pytest.param(with_header(base, extra="x"), id="extra key"))
+    out.append(pytest.param(with_header(base, length=DROP, lenght=77), id="renamed key"))
     out.append(pytest.param([*base, b"x"], id="a frame too many"))
     err = p.encode_reply(p.error_reply(9, KvdError("boom")))
     out.append(pytest.param([bytes(f) for f in err], id="an error reply"))
@@ -156,6 +158,15 @@ def test_the_fast_path_keeps_the_limits(limits: p.Limits, refused: bool) -> None
     frames = get_frames(heads=8, dim=128)  # 2 layers x 4 tokens x 8 heads x 128 dims x 2 bytes = 16 KiB a frame
     assert outcome(p.decode_reply, frames, limits) == outcome(p._decode_reply, frames, limits)
     assert (outcome(p.decode_reply, frames, limits)[0] == "error") is refused
+
+
+def test_the_fast_path_keeps_the_header_limit() -> None:
+    frames = get_frames(layers=tuple(range(2000)), tokens=1, heads=1, dim=1)  # a header of about 6 KB
+    assert 4096 < len(frames[0]) <= p.DEFAULT_MAX_HEADER_BYTES
+    limits = p.Limits(max_header_bytes=4096)
+    assert outcome(p.decode_reply, frames, limits) == outcome(p._decode_reply, frames, limits)
+    assert outcome(p.decode_reply, frames, limits)[0] == "error"
+    assert outcome(p.decode_reply, frames) == outcome(p._decode_reply, frames)
 
 
 # ---- requests: a get and an append as kvd's client sends them --------------------------------------------------
@@ -221,6 +232,8 @@ def _variants(base: list[Any], bad_values: dict[str, list[Any]]) -> list[Any]:
         for value in values:
             out.append(pytest.param(with_header(base, **{key: value}), id=f"{key}={value!r}"[:60]))
     out.append(pytest.param(with_header(base, extra=1), id="extra key"))
+    last = list(msgpack.unpackb(base[0]))[-1]
+    out.append(pytest.param(with_header(base, **{last: DROP, "renamed": 1}), id="renamed key"))
     raw = base[0]
     items = list(msgpack.unpackb(raw).items())
     items[-1] = ("op", items[2][1])  # the map declares as many entries as before, one of them a second "op"
