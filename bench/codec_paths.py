@@ -35,18 +35,10 @@ PATHS = ("flat (as shipped)", "generic only")
 
 def server(conn: Any, generic: bool) -> None:
     """bench/wire.py's fp16 kvd server; with ``generic``, its requests are parsed by the generic decoder only."""
-    from kvd.errors import KvdError
     from kvd.wire import protocol
 
     if generic:
-        def parse(frames: Any, limits: protocol.Limits = protocol.DEFAULT_LIMITS) -> Any:
-            ctx = protocol.DecodeContext()
-            try:
-                return protocol._decode_request(frames, limits, ctx)
-            except KvdError as exc:
-                return protocol.error_reply(ctx.request_id, exc)
-
-        protocol.parse_request = parse  # the server loop looks it up on the module at each request
+        protocol.parse_request = protocol._parse_request  # the server loop looks it up on the module each time
     wire.kvd_server(conn, "fp16", wire.GET_CAPACITY_BYTES)
 
 

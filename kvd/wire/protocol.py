@@ -435,8 +435,11 @@ def parse_request(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Req
     """Like :func:`decode_request`, but a bad request becomes the :class:`ErrorReply` to send back (carrying
     the request id whenever the header had a readable one). For the server loop: it never raises."""
     request = _fast_request(frames, limits)
-    if request is not None:
-        return request
+    return request if request is not None else _parse_request(frames, limits)
+
+
+def _parse_request(frames: Sequence[Any], limits: Limits) -> Request | ErrorReply:
+    """:func:`parse_request` by the generic decoder alone."""
     ctx = DecodeContext()
     try:
         return _decode_request(frames, limits, ctx)

@@ -172,15 +172,6 @@ def test_the_fast_path_keeps_the_header_limit() -> None:
 # ---- requests: a get and an append as kvd's client sends them --------------------------------------------------
 
 
-def generic_parse(frames: Any, limits: p.Limits = p.DEFAULT_LIMITS) -> Any:
-    """parse_request without the fast path."""
-    ctx = p.DecodeContext()
-    try:
-        return p._decode_request(frames, limits, ctx)
-    except KvdError as exc:
-        return p.error_reply(ctx.request_id, exc)
-
-
 def generic_decode(frames: Any, limits: p.Limits = p.DEFAULT_LIMITS) -> Any:
     return p._decode_request(frames, limits, p.DecodeContext())
 
@@ -221,7 +212,7 @@ def test_the_fast_path_is_taken_for_kvds_own_requests_and_agrees_with_the_generi
     assert p._fast_request(as_views, p.DEFAULT_LIMITS) is not None
     for given in (frames, as_views, tuple(frames)):
         assert outcome(p.decode_request, given) == outcome(generic_decode, given)
-        assert outcome(p.parse_request, given) == outcome(generic_parse, given)
+        assert outcome(p.parse_request, given) == outcome(p._parse_request, given)
 
 
 def _variants(base: list[Any], bad_values: dict[str, list[Any]]) -> list[Any]:
@@ -278,7 +269,7 @@ APPEND_VARIANTS = _variants(append_request(position=4, incarnation="abc"), {
 @pytest.mark.parametrize("frames", GET_VARIANTS + APPEND_VARIANTS)
 def test_a_changed_or_broken_request_gets_the_generic_decoders_answer(frames: Any) -> None:
     assert outcome(p.decode_request, frames) == outcome(generic_decode, frames)
-    assert outcome(p.parse_request, frames) == outcome(generic_parse, frames)
+    assert outcome(p.parse_request, frames) == outcome(p._parse_request, frames)
 
 
 @pytest.mark.parametrize("frames", [
@@ -293,7 +284,7 @@ def test_a_changed_or_broken_request_gets_the_generic_decoders_answer(frames: An
 def test_an_append_with_odd_frames_gets_the_generic_decoders_answer(frames: Any) -> None:
     given = frames(append_request())
     assert outcome(p.decode_request, given) == outcome(generic_decode, given)
-    assert outcome(p.parse_request, given) == outcome(generic_parse, given)
+    assert outcome(p.parse_request, given) == outcome(p._parse_request, given)
 
 
 @pytest.mark.parametrize(("limits", "refused"), [
@@ -305,5 +296,5 @@ def test_an_append_with_odd_frames_gets_the_generic_decoders_answer(frames: Any)
 def test_the_request_fast_path_keeps_the_limits(limits: p.Limits, refused: bool) -> None:
     frames = append_request(shape=(2, 4, 8, 128))  # 16 KiB a frame
     assert outcome(p.decode_request, frames, limits) == outcome(generic_decode, frames, limits)
-    assert outcome(p.parse_request, frames, limits) == outcome(generic_parse, frames, limits)
+    assert outcome(p.parse_request, frames, limits) == outcome(p._parse_request, frames, limits)
     assert (outcome(p.decode_request, frames, limits)[0] == "error") is refused
