@@ -147,13 +147,17 @@ def test_a_broken_reply_gets_the_generic_decoders_answer(frames: Any) -> None:
     assert outcome(p.decode_reply, frames) == outcome(p._decode_reply, frames)
 
 
-@pytest.mark.parametrize(("limits", "refused"), [
+# (limits, whether they refuse a message of two 16 KiB frames)
+LIMIT_CASES = [
     pytest.param(p.Limits(max_frame_bytes=16383), True, id="frame limit"),
     pytest.param(p.Limits(max_header_bytes=4096, max_message_bytes=32767), True, id="message limit"),
     pytest.param(p.Limits(max_frame_bytes=16384, max_header_bytes=4096, max_message_bytes=32768 + 4096), False,
                  id="just within"),
     pytest.param(p.Limits(max_frames=3), False, id="the fewest frames"),
-])
+]
+
+
+@pytest.mark.parametrize(("limits", "refused"), LIMIT_CASES)
 def test_the_fast_path_keeps_the_limits(limits: p.Limits, refused: bool) -> None:
     frames = get_frames(heads=8, dim=128)  # 2 layers x 4 tokens x 8 heads x 128 dims x 2 bytes = 16 KiB a frame
     assert outcome(p.decode_reply, frames, limits) == outcome(p._decode_reply, frames, limits)
@@ -287,12 +291,7 @@ def test_an_append_with_odd_frames_gets_the_generic_decoders_answer(frames: Any)
     assert outcome(p.parse_request, given) == outcome(p._parse_request, given)
 
 
-@pytest.mark.parametrize(("limits", "refused"), [
-    pytest.param(p.Limits(max_frame_bytes=16383), True, id="frame limit"),
-    pytest.param(p.Limits(max_header_bytes=4096, max_message_bytes=32767), True, id="message limit"),
-    pytest.param(p.Limits(max_frame_bytes=16384, max_header_bytes=4096, max_message_bytes=32768 + 4096), False,
-                 id="just within"),
-])
+@pytest.mark.parametrize(("limits", "refused"), LIMIT_CASES)
 def test_the_request_fast_path_keeps_the_limits(limits: p.Limits, refused: bool) -> None:
     frames = append_request(shape=(2, 4, 8, 128))  # 16 KiB a frame
     assert outcome(p.decode_request, frames, limits) == outcome(generic_decode, frames, limits)
