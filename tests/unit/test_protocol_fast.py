@@ -116,6 +116,8 @@ def _get_variants() -> list[Any]:
     out.append(pytest.param([raw, base[1], base[2] + b"\x00\x00"], id="long values frame"))
     out.append(pytest.param([raw, bytearray(base[1]), base[2]], id="bytearray frame"))
     out.append(pytest.param([raw, memoryview(base[1]).cast("H"), base[2]], id="uint16 view frame"))
+    # as many uint16 items as the frame needs bytes: the length in items matches, the bytes do not
+    out.append(pytest.param([raw, memoryview(base[1] * 2).cast("H"), base[2]], id="uint16 view, items match"))
     out.append(pytest.param([with_header(base, shape=[2, 4, 2, 0])[0], b"", b""], id="no dims, empty frames"))
     out.append(pytest.param([with_header(base, shape=[2, 4, 0, 8])[0], b"", b""], id="no heads, empty frames"))
     out.append(pytest.param([raw, base[1]], id="two frames"))
@@ -281,6 +283,7 @@ def test_a_changed_or_broken_request_gets_the_generic_decoders_answer(frames: An
     pytest.param(lambda b: [b[0], b[1], b[2] + b"\x00\x00"], id="long values frame"),
     pytest.param(lambda b: [b[0], bytearray(b[1]), b[2]], id="bytearray frame"),
     pytest.param(lambda b: [b[0], memoryview(b[1]).cast("H"), b[2]], id="uint16 view frame"),
+    pytest.param(lambda b: [b[0], memoryview(b[1] * 2).cast("H"), b[2]], id="uint16 view, items match"),
     pytest.param(lambda b: b[:2], id="two frames"),
     pytest.param(lambda b: [with_header(b, shape=[2, 0, 2, 8])[0], b"", b""], id="no tokens, empty frames"),
     pytest.param(lambda b: [with_header(b, shape=[2, 3, 0, 8])[0], b"", b""], id="no heads, empty frames"),
