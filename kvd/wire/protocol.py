@@ -563,22 +563,31 @@ def _fast_reply(frames: Any, limits: Limits) -> AppendReply | GetReply | None:
             or shape_layers != n_layers or tokens != end - start or tokens > MAX_INDEX
             or not 1 <= heads <= MAX_INDEX or not 1 <= dim <= MAX_INDEX):
         return None
-    key_frame, value_frame = frames[1], frames[2]
-    need = n_layers * tokens * heads * dim * 2
-    if (not _byte_frame(key_frame) or not _byte_frame(value_frame) or len(key_frame) != need
-            or len(value_frame) != need or need > limits.max_frame_bytes
-            or size + 2 * need > limits.max_message_bytes):
+    tensors = _flat_tensors(frames, size, limits, (n_layers, tokens, heads, dim), _F16)
+    if tensors is None:
         return None
-    dims = (n_layers, tokens, heads, dim)
     got = _new(GetReply)  # every field set below (GetReply.trusted, without its loop and keyword dict)
     _set(got, "request_id", rid)
     _set(got, "start", start)
     _set(got, "end", end)
     _set(got, "layers", tuple(layers))
-    _set(got, "keys", np.ndarray(dims, _F16, key_frame))
-    _set(got, "values", np.ndarray(dims, _F16, value_frame))
+    _set(got, "keys", tensors[0])
+    _set(got, "values", tensors[1])
     _set(got, "dtype", "float16")
     return got
+
+
+def _flat_tensors(frames: Any, size: int, limits: Limits, dims: tuple[int, int, int, int],
+                  kind: np.dtype) -> tuple[np.ndarray, np.ndarray] | None:
+    """The keys and values of a flat path's message: its two byte frames as arrays of ``dims`` and ``kind``, if
+    each is exactly that size and the frame and message limits hold (``size``: the header's); else None."""
+    key_frame, value_frame = frames[1], frames[2]
+    need = dims[0] * dims[1] * dims[2] * dims[3] * kind.itemsize
+    if (not _byte_frame(key_frame) or not _byte_frame(value_frame) or len(key_frame) != need
+            or len(value_frame) != need or need > limits.max_frame_bytes
+            or size + 2 * need > limits.max_message_bytes):
+        return None
+    return np.ndarray(dims, kind, key_frame), np.ndarray(dims, kind, value_frame)
 
 
 _GET_REQUEST_KEYS = frozenset(("v", "id", "op", "namespace", "seq_id", "start", "end", "layers", "format"))
@@ -666,20 +675,15 @@ def _fast_append_request(header: dict[str, Any], frames: Any, size: int, limits:
             or not 1 <= n_layers <= MAX_INDEX or not 1 <= tokens <= MAX_INDEX or not 1 <= heads <= MAX_INDEX
             or not 1 <= dim <= MAX_INDEX):
         return None
-    kind = DTYPES[dtype]
-    key_frame, value_frame = frames[1], frames[2]
-    need = n_layers * tokens * heads * dim * kind.itemsize
-    if (not _byte_frame(key_frame) or not _byte_frame(value_frame) or len(key_frame) != need
-            or len(value_frame) != need or need > limits.max_frame_bytes
-            or size + 2 * need > limits.max_message_bytes):
+    tensors = _flat_tensors(frames, size, limits, (n_layers, tokens, heads, dim), DTYPES[dtype])
+    if tensors is None:
         return None
-    dims = (n_layers, tokens, heads, dim)
     req = _new(AppendRequest)
     _set(req, "request_id", rid)
     _set(req, "namespace", namespace)
     _set(req, "seq_id", seq_id)
-    _set(req, "keys", np.ndarray(dims, kind, key_frame))
-    _set(req, "values", np.ndarray(dims, kind, value_frame))
+    _set(req, "keys", tensors[0])
+    _set(req, "values", tensors[1])
     _set(req, "offset", offset)
     _set(req, "dtype", dtype)
     _set(req, "position", position)
