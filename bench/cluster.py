@@ -162,10 +162,10 @@ DECODE_MAX_TOKENS = 256  # a decode sequence is dropped and started again at thi
 
 
 def _prefill_worker(endpoint: str, ns: str, index: int, chunk_tokens: int, go: Any, stop: Any, done: Any,
-                    failed: Any, nice: int, interval_s: float) -> None:
+                    failed: Any, nice: int, rate: float, clients: int) -> None:
     """A client process: while ``go`` is set, append a ``chunk_tokens`` prefill chunk, read it back, drop it
     (errors are counted in ``failed`` and the loop goes on). ``nice``: added to its priority (every thread).
-    ``interval_s``: one chunk every that many seconds (:class:`Pace`; 0: back to back)."""
+    ``rate``: chunks per second of all ``clients`` together (:class:`Pace`; 0: back to back)."""
     from kvd.client import Client
 
     if nice:
@@ -176,7 +176,7 @@ def _prefill_worker(endpoint: str, ns: str, index: int, chunk_tokens: int, go: A
     k = np.random.default_rng(index).standard_normal(shape, dtype=np.float32).astype(np.float16)
     with Client(endpoint, timeout_s=120.0) as client:
         i = 0
-        pace = Pace(interval_s, stop, offset_s=interval_s * index / 4)
+        pace = Pace(rate, clients, index, stop)
         while not stop.is_set():
             if not go.wait(0.1) or not pace.wait():
                 continue
@@ -208,9 +208,8 @@ def _decode_latency(args: argparse.Namespace) -> None:
     ctx = mp.get_context("spawn")
     go, stop, done, failed = ctx.Event(), ctx.Event(), ctx.Value("l", 0), ctx.Value("l", 0)
     workers = [ctx.Process(target=_prefill_worker, args=(deployment.endpoint, ns, i, args.prefill, go, stop, done,
-                                                         failed, args.prefill_nice,
-                                                         args.clients / args.prefill_rate if args.prefill_rate
-                                                         else 0.0), daemon=True)
+                                                         failed, args.prefill_nice, args.prefill_rate,
+                                                         args.clients), daemon=True)
                for i in range(args.clients)]
     rows: list[tuple[int, str, dict[str, float]]] = []
     try:

@@ -34,14 +34,14 @@ def decode_steps(client: Any, ns: str, step: np.ndarray, lengths: dict[int, int]
 
 
 class Pace:
-    """A prefill client's schedule: one chunk every ``interval_s`` seconds (0: back to back). A chunk that is
-    late starts at once and the next one ``interval_s`` after it, so a slow spell is not followed by a burst.
-    ``offset_s`` puts clients out of phase."""
+    """Prefill client ``index`` of ``clients``'s schedule when they start ``rate`` chunks per second in all (0:
+    back to back): one chunk every ``clients / rate`` seconds, the clients evenly out of phase. A chunk that is
+    late starts at once and the next one an interval after it, so a slow spell is not followed by a burst."""
 
-    def __init__(self, interval_s: float, stop: Any, offset_s: float = 0.0) -> None:
-        self.interval_s = interval_s
+    def __init__(self, rate: float, clients: int, index: int, stop: Any) -> None:
+        self.interval_s = clients / rate if rate else 0.0
         self.stop = stop  # an Event: set, it ends the wait
-        self.next = time.perf_counter() + offset_s
+        self.next = time.perf_counter() + self.interval_s * index / clients
 
     def wait(self) -> bool:
         """Sleep until the next chunk is due; False if ``stop`` was set meanwhile."""

@@ -85,10 +85,10 @@ def _server(conn: Any, src: str, socket_buffer: int | None) -> None:
     conn.send(spans)
 
 
-def _prefill(endpoint: str, src: str, index: int, tokens: int, nice: int, interval_s: float, stop: Any,
+def _prefill(endpoint: str, src: str, index: int, tokens: int, nice: int, rate: float, clients: int, stop: Any,
              done: Any) -> None:
-    """One prefill client: append a chunk, read it back, drop it; as fast as it can (``interval_s`` 0), else one
-    chunk every ``interval_s`` (:class:`Pace`)."""
+    """One prefill client: append a chunk, read it back, drop it; as fast as it can (``rate`` 0), else at its
+    share of ``rate`` chunks per second of all ``clients`` (:class:`Pace`)."""
     _use(src)
     if nice:
         os.nice(nice)
@@ -98,7 +98,7 @@ def _prefill(endpoint: str, src: str, index: int, tokens: int, nice: int, interv
     k = np.random.default_rng(index).standard_normal(shape, dtype=np.float32).astype(np.float16)
     with Client(endpoint, timeout_s=120.0) as client:
         i = 0
-        pace = Pace(interval_s, stop, offset_s=interval_s * index / 4)
+        pace = Pace(rate, clients, index, stop)
         while pace.wait():
             seq = f"prefill-{index}-{i}"
             i += 1
@@ -138,8 +138,7 @@ def _round(src: str, socket_buffer: int | None, separate: bool, args: argparse.N
 
     stop, done = ctx.Event(), ctx.Value("l", 0)
     workers = [ctx.Process(target=_prefill, args=(endpoint, src, i, args.prefill, args.prefill_nice,
-                                                   args.clients / args.prefill_rate if args.prefill_rate else 0.0,
-                                                   stop, done),
+                                                   args.prefill_rate, args.clients, stop, done),
                            daemon=True) for i in range(args.clients)]
     mine, theirs = ctx.Pipe()
     decoder = ctx.Process(target=_decoder, args=(decode_endpoint, src, args.seconds, args.decode_nice, theirs),
