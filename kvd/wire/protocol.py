@@ -302,7 +302,7 @@ def open_message(frames: Any, limits: Limits, ctx: DecodeContext) -> tuple[dict[
         frame = frames[i]
         # bytes are immutable and already ours, a 1-D byte memoryview is already a view: kept as they are
         if type(frame) is not bytes and not (
-            type(frame) is memoryview and frame.format == "B" and frame.ndim == 1
+            type(frame) is memoryview and frame.format == "B" and frame.ndim == 1 and frame.c_contiguous
         ):
             frame = byte_view(frame, f"frame {i}")
         views.append(frame)
@@ -496,7 +496,8 @@ _new, _set = object.__new__, object.__setattr__
 
 
 def _byte_frame(frame: Any) -> bool:
-    return type(frame) is bytes or (type(frame) is memoryview and frame.ndim == 1 and frame.format == "B")
+    return type(frame) is bytes or (type(frame) is memoryview and frame.ndim == 1 and frame.format == "B"
+                                    and frame.c_contiguous)
 
 
 def _flat_header(frames: Any, limits: Limits, entries: tuple[int, ...]) -> tuple[dict[str, Any], int] | None:

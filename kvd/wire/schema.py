@@ -321,11 +321,10 @@ def byte_view(frame: Any, what: str) -> memoryview:
         view = memoryview(frame)
     except TypeError:
         raise ProtocolError(f"{what} is not a bytes-like object: {type(frame).__name__}") from None
+    if not view.c_contiguous:  # numpy, msgpack and the kernels read a frame as one run of bytes
+        raise ProtocolError(f"{what} is not a contiguous buffer")
     if view.ndim != 1 or view.itemsize != 1:
-        try:
-            view = view.cast("B")
-        except TypeError:
-            raise ProtocolError(f"{what} is not a contiguous buffer") from None
+        view = view.cast("B")
     return view
 
 

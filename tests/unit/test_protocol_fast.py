@@ -59,6 +59,11 @@ def with_header(frames: list[Any], **changes: Any) -> list[Any]:
 
 DROP = object()
 
+
+def strided(data: bytes) -> memoryview:
+    """A 1-D byte view of ``data`` that is not contiguous (every other byte of a buffer twice its size)."""
+    return memoryview(bytes(b for c in data for b in (c, 0)))[::2]
+
 VALID = [
     pytest.param(get_frames(), id="get"),
     pytest.param(get_frames(layers=(7,), start=0, tokens=1, heads=8, dim=128, request_id=2**64 - 1), id="get 1x1"),
@@ -123,6 +128,8 @@ def _get_variants() -> list[Any]:
     out.append(pytest.param([raw, base[1]], id="two frames"))
     out.append(pytest.param([raw, base[1], base[2], b""], id="four frames"))
     out.append(pytest.param([bytearray(raw), *base[1:]], id="bytearray header"))
+    out.append(pytest.param([strided(raw), *base[1:]], id="strided header view"))
+    out.append(pytest.param([raw, strided(base[1]), base[2]], id="strided keys view"))
     return out
 
 
@@ -239,6 +246,7 @@ def _variants(base: list[Any], bad_values: dict[str, list[Any]]) -> list[Any]:
     out.append(pytest.param([raw + b"\x00", *base[1:]], id="trailing byte"))
     out.append(pytest.param([b"", *base[1:]], id="empty header"))
     out.append(pytest.param([bytearray(raw), *base[1:]], id="bytearray header"))
+    out.append(pytest.param([strided(raw), *base[1:]], id="strided header view"))
     out.append(pytest.param([*base, b""], id="a frame too many"))
     return out
 
@@ -284,6 +292,7 @@ def test_a_changed_or_broken_request_gets_the_generic_decoders_answer(frames: An
     pytest.param(lambda b: [b[0], bytearray(b[1]), b[2]], id="bytearray frame"),
     pytest.param(lambda b: [b[0], memoryview(b[1]).cast("H"), b[2]], id="uint16 view frame"),
     pytest.param(lambda b: [b[0], memoryview(b[1] * 2).cast("H"), b[2]], id="uint16 view, items match"),
+    pytest.param(lambda b: [b[0], b[1], strided(b[2])], id="strided values view"),
     pytest.param(lambda b: b[:2], id="two frames"),
     pytest.param(lambda b: [with_header(b, shape=[2, 0, 2, 8])[0], b"", b""], id="no tokens, empty frames"),
     pytest.param(lambda b: [with_header(b, shape=[2, 3, 0, 8])[0], b"", b""], id="no heads, empty frames"),
