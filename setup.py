@@ -4,7 +4,8 @@ committed.
 Never ``-march=native``: one build must run on any x86-64 (or arm64). The SIMD paths are compiled with GCC/Clang
 function target attributes and chosen at run time by CPU detection, so the baseline flags stay generic.
 ``-ffp-contract=off`` keeps the compiler from fusing multiply-adds, so every backend rounds exactly like the
-numpy reference (kvd/codec/reference.py). The extension is ``kvd.codec._kernels``.
+numpy reference (kvd/codec/reference.py). The extension is ``kvd.codec._kernels``; ``kvd.wire._flatwire`` is the
+typed twin of the wire codec's fast path (its Python twin: kvd/wire/protocol.py).
 
 The modules listed in kvd/_native.py (COMPILED, dotted names below ``kvd``) are plain Python, also compiled as
 they are: Python semantics (no C typing from annotations, no unchecked indexing), only the interpreter's dispatch
@@ -34,7 +35,9 @@ kernels = cythonize(
             include_dirs=["cython_ext", np.get_include()],
             extra_compile_args=compile_args,
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-        )
+        ),
+        # the typed twin of the wire codec's fast path (kvd/wire/protocol.py); always built, like the kernels
+        Extension("kvd.wire._flatwire", sources=["cython_ext/_flatwire.pyx"], extra_compile_args=compile_args),
     ],
     compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False, "cdivision": True},
 )

@@ -1,6 +1,8 @@
-"""kvd.wire.protocol's fast path for the replies a client reads most (an fp16 get's, an append's): it must give
-exactly what the generic decoder gives, value or error, on valid replies and on every broken variant of them,
-and it must really be taken for the replies kvd's server sends."""
+"""kvd.wire.protocol's fast path for the messages small requests are made of (an fp16 get's reply, an append's,
+a get request, an append request): it must give exactly what the generic decoder gives, value or error, on valid
+messages and on every broken variant of them, and it must really be taken for the messages kvd sends. It has two
+twins, the Python functions of kvd.wire.protocol and their typed build (kvd.wire._flatwire); every test runs with
+each."""
 
 from __future__ import annotations
 
@@ -10,10 +12,31 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvd.errors import KvdError
+from kvd._native import pure_requested
+from kvd.errors import KvdError, MessageTooLarge
 from kvd.wire import protocol as p
+from kvd.wire import schema
 
 RNG = np.random.default_rng(19)
+TYPED = p._load_typed()
+TWINS = {"python": (p._fast_reply_py, p._fast_request_py),
+         "typed": (None, None) if TYPED is None else (TYPED.fast_reply, TYPED.fast_request)}
+
+
+@pytest.fixture(autouse=True, params=sorted(TWINS))
+def twin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test once with each twin as the fast path of decode_reply, decode_request and parse_request."""
+    reply, req = TWINS[request.param]
+    assert reply is not None, "kvd.wire._flatwire is not built: setup.py builds it with the kernels"
+    monkeypatch.setattr(p, "_fast_reply", reply)
+    monkeypatch.setattr(p, "_fast_request", req)
+    monkeypatch.setattr(p, "_TYPED", TYPED if request.param == "typed" else None)  # the encoders' twin
+    return str(request.param)
+
+
+def test_the_typed_twin_is_the_fast_path_unless_pure_python_is_asked_for() -> None:
+    assert TYPED is not None
+    assert p.FAST_PATH == ("python" if pure_requested() else "typed")
 
 
 def get_frames(layers: tuple[int, ...] = (0, 3), start: int = 5, tokens: int = 4, heads: int = 2,
@@ -263,10 +286,10 @@ GET_VARIANTS = _variants(get_request(end=8, layers=(0, 2)), {
     "op": ["append", "GET", None],
     "start": [-1, True, 2**63, None, 1.5, 9],
     "end": [-1, True, 2**63, 1.5, 7],
-    "layers": [[], [0, 0], [-1], [True], [2**31], "0", [0, 1.0], [[0]]],
+    "layers": [[], [0, 0], [-1], [True], [2**31], "0", [0, 1.0], [[0]], [None], [0, None]],
     "format": ["FP16", None, b"fp16", 1],
     "packed": [True, False, None, 1],
-}) + _variants(get_request(), {"start": [5], "end": [0, 4], "layers": [[3]], "format": ["pages"]})
+}) + _variants(get_request(), {"start": [5, 2**63], "end": [0, 4], "layers": [[3]], "format": ["pages"]})
 
 APPEND_VARIANTS = _variants(append_request(position=4, incarnation="abc"), {
     **_TEXT_AND_IDS,
@@ -309,3 +332,164 @@ def test_the_request_fast_path_keeps_the_limits(limits: p.Limits, refused: bool)
     assert outcome(p.decode_request, frames, limits) == outcome(generic_decode, frames, limits)
     assert outcome(p.parse_request, frames, limits) == outcome(p._parse_request, frames, limits)
     assert (outcome(p.decode_request, frames, limits)[0] == "error") is refused
+
+
+# ---- random damage: every twin agrees with the generic decoder on headers changed byte by byte ------------------
+
+
+def _damaged(header: bytes, rng: np.random.Generator) -> bytes:
+    out = bytearray(header)
+    kind = rng.integers(4)
+    if kind == 0:  # one to three bytes replaced
+        for _ in range(rng.integers(1, 4)):
+            out[rng.integers(len(out))] = rng.integers(256)
+    elif kind == 1:  # a byte replaced by a nearby value: a length, a count or an int one off
+        i = rng.integers(len(out))
+        out[i] = (out[i] + int(rng.choice([-1, 1]))) % 256
+    elif kind == 2:
+        del out[rng.integers(len(out)):]
+    else:
+        out.insert(rng.integers(len(out) + 1), rng.integers(256))
+    return bytes(out)
+
+
+@pytest.mark.parametrize("base", [
+    pytest.param((get_frames(), p.decode_reply, p._decode_reply), id="get reply"),
+    pytest.param((append_frames(), p.decode_reply, p._decode_reply), id="append reply"),
+    pytest.param((get_request(end=8, layers=(0, 2)), p.decode_request, generic_decode), id="get request"),
+    pytest.param((append_request(offset=3, position=4, incarnation="abc"), p.decode_request, generic_decode),
+                 id="append request"),
+])
+def test_a_randomly_damaged_header_gets_the_generic_decoders_answer(base: Any) -> None:
+    frames, decode, generic = base
+    rng = np.random.default_rng(1234)
+    fast = p._fast_reply if decode is p.decode_reply else p._fast_request
+    taken = 0
+    for _ in range(1500):
+        given = [_damaged(frames[0], rng), *frames[1:]]
+        assert outcome(decode, given) == outcome(generic, given), given[0]
+        taken += fast(given, p.DEFAULT_LIMITS) is not None
+    assert taken > 0  # some damage leaves a valid message of the same shape (an id, a count one off)
+
+
+# ---- encoding: the typed twin writes the generic encoder's bytes ----------------------------------------------
+
+INTS = (0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1)
+TEXTS = ("n", "x" * 31, "x" * 32, "x" * 255, "x" * 256)
+
+
+def _messages() -> list[Any]:
+    """Get and append requests and replies with every field at the edges of msgpack's encodings."""
+    out: list[Any] = []
+    f16 = np.arange(2 * 3 * 2 * 4, dtype=np.float16).reshape(2, 3, 2, 4)
+    for i, n in enumerate(INTS):
+        text = TEXTS[i % len(TEXTS)]
+        out.append(p.GetRequest(request_id=n, namespace=text, seq_id=n, start=n, end=None))
+        out.append(p.GetRequest(request_id=2**64 - 1 - n, namespace="ns", seq_id=text + "s" * (i * 60),
+                                start=0, end=n, layers=tuple(range(i * 6 + 1)), format=("fp16", "pages")[i % 2]))
+        out.append(p.AppendRequest(request_id=n, namespace=text, seq_id=n if i % 2 else text, keys=f16, values=f16,
+                                   offset=None if i % 3 else n, position=None if i % 4 else n,
+                                   incarnation=None if i % 5 else "i" * (i * 90 + 1)))
+        out.append(p.AppendReply(request_id=n, length=n))
+        layers = tuple(range(i + 1))
+        kv = np.zeros((len(layers), 2, 1, 8), np.float16)
+        out.append(p.GetReply(request_id=n, start=n - min(n, 2) + 2 if n < 2**63 - 2 else n - 2,
+                              end=(n - min(n, 2) + 2 if n < 2**63 - 2 else n - 2) + 2, layers=layers, keys=kv,
+                              values=kv))
+    for dtype in ("float32", "bfloat16"):
+        arr = np.ones((1, 2, 3, 4), np.float32 if dtype == "float32" else np.uint16)
+        out.append(p.AppendRequest(request_id=5, namespace="ns", seq_id=3, keys=arr, values=arr, dtype=dtype))
+    for n in (15, 16, 64):  # a fixarray's most items, an array16's fewest, the typed twin's most layers
+        out.append(p.GetRequest(request_id=1, namespace="ns", seq_id="s", layers=tuple(range(n))))
+    empty = np.zeros((1, 0, 2, 4), np.float16)
+    out.append(p.GetReply(request_id=1, start=7, end=7, layers=(3,), keys=empty, values=empty))
+    return out
+
+
+def _generic(msg: Any, limits: p.Limits | None = None) -> Any:
+    encode = p.encode_request if type(msg) in p.REQUESTS.values() else p.encode_reply
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(p, "_TYPED", None)
+            return [bytes(f) for f in encode(msg, limits)]
+    except KvdError as exc:
+        return (type(exc), str(exc))
+
+
+def _typed_encode(msg: Any, limits: p.Limits | None = None) -> Any:
+    assert TYPED is not None
+    encode = TYPED.encode_request if type(msg) in p.REQUESTS.values() else TYPED.encode_reply
+    return encode(msg, limits)
+
+
+@pytest.mark.parametrize("msg", _messages(), ids=lambda m: type(m).__name__)
+def test_the_typed_encoders_write_the_generic_encoders_bytes(msg: Any, twin: str) -> None:
+    for limits in (None, p.DEFAULT_LIMITS):
+        frames = _typed_encode(msg, limits)
+        assert frames is not None
+        assert [bytes(f) for f in frames] == _generic(msg, limits)
+    decode = p.decode_request if type(msg) in p.REQUESTS.values() else p.decode_reply
+    assert outcome(decode, [bytes(f) for f in frames])[0] is type(msg)  # and it reads back as what it was
+
+
+def _declined() -> list[Any]:
+    f16 = np.zeros((1, 1, 1, 8), np.float16)
+    return [
+        pytest.param(p.GetRequest(request_id=1, namespace="é", seq_id="s"), id="non-ASCII namespace"),
+        pytest.param(p.GetRequest(request_id=1, namespace="ns", seq_id="é"), id="non-ASCII seq id"),
+        pytest.param(p.GetRequest(request_id=1, namespace="ns", seq_id="s", format="pages", packed=True),
+                     id="packed"),
+        pytest.param(p.GetRequest(request_id=1, namespace="ns", seq_id="s", layers=tuple(range(65))),
+                     id="65 layers"),
+        pytest.param(p.AppendRequest(request_id=1, namespace="ns", seq_id="s", keys=f16, values=f16,
+                                     incarnation="é"), id="non-ASCII incarnation"),
+        pytest.param(p.LengthRequest(request_id=1, namespace="ns", seq_id="s"), id="another request"),
+        pytest.param(p.error_reply(3, KvdError("boom")), id="an error reply"),
+        pytest.param(p.LengthReply(request_id=1, length=3), id="another reply"),
+        # a server's own replies are built unchecked (trusted): values no check let through are the generic's
+        pytest.param(p.AppendReply.trusted(request_id=1, length=-1), id="negative int"),
+        pytest.param(p.AppendReply.trusted(request_id=1, length=True), id="bool for an int"),
+    ]
+
+
+@pytest.mark.parametrize("msg", _declined())
+def test_what_the_typed_encoders_do_not_take_goes_to_the_generic_encoder(msg: Any, twin: str) -> None:
+    assert _typed_encode(msg) is None
+    encode = p.encode_request if type(msg) in p.REQUESTS.values() else p.encode_reply
+    assert [bytes(f) for f in encode(msg)] == _generic(msg)
+
+
+ENCODE_LIMITS = [  # each refuses a message of two 16 KiB tensor frames whose header is ``head`` bytes
+    pytest.param(lambda head: p.Limits(max_frame_bytes=16383), id="frame limit"),
+    pytest.param(lambda head: p.Limits(max_header_bytes=4096, max_message_bytes=32767), id="message limit"),
+    pytest.param(lambda head: p.Limits(max_header_bytes=4096, max_message_bytes=head + 32768 - 1),
+                 id="message limit by one byte"),
+]
+
+
+@pytest.mark.parametrize("limits", ENCODE_LIMITS)
+def test_the_typed_encoders_keep_the_limits(limits: Any, twin: str) -> None:
+    kv = np.zeros((2, 4, 8, 128), np.float16)  # 16 KiB a frame
+    for msg in (p.AppendRequest(request_id=1, namespace="ns", seq_id="s", keys=kv, values=kv),
+                p.GetReply(request_id=1, start=0, end=4, layers=(0, 1), keys=kv, values=kv)):
+        refusing = limits(len(_generic(msg)[0]))
+        assert _typed_encode(msg, refusing) is None
+        assert _typed_encode(msg, p.Limits(max_header_bytes=4096, max_message_bytes=len(_generic(msg)[0]) + 32768,
+                                           max_frame_bytes=16384)) is not None  # just within: taken
+        encode = p.encode_request if type(msg) in p.REQUESTS.values() else p.encode_reply
+        with pytest.raises(MessageTooLarge) as caught:
+            encode(msg, refusing)
+        assert _generic(msg, refusing) == (MessageTooLarge, str(caught.value))
+
+
+def test_the_longest_header_the_typed_encoders_write_fits_every_header_limit(twin: str) -> None:
+    assert TYPED is not None and TYPED.ROOM <= schema._MIN_HEADER_BYTES  # the smallest max_header_bytes allowed
+    f16 = np.zeros((1, 1, 1, 8), np.float16)
+    longest = [p.GetRequest(request_id=2**64 - 1, namespace="n" * 256, seq_id="s" * 1024, start=2**63 - 1,
+                            end=2**63 - 1, layers=tuple(range(2**31 - 64, 2**31)), format="pages"),
+               p.AppendRequest(request_id=2**64 - 1, namespace="n" * 256, seq_id="s" * 1024, keys=f16, values=f16,
+                               offset=2**63 - 1, position=2**63 - 1, incarnation="i" * 1024)]
+    for msg in longest:
+        frames = _typed_encode(msg)
+        assert frames is not None and len(frames[0]) < TYPED.ROOM
+        assert [bytes(f) for f in frames] == _generic(msg)
