@@ -1,13 +1,13 @@
-"""What the codec's flat paths for small requests save (kvd.wire.protocol, "the fast path"): the same kvd client
-and ShardServer with them and without them (the generic decoder only, as before the fourteenth session), in
-alternating rounds of one run, server in another process over tcp://127.0.0.1.
+"""What the codec's fast path for small requests saves (kvd.wire.protocol, "the fast path"): the same kvd client
+and ShardServer with its typed twin (kvd.wire._flatwire, as shipped since the fifteenth session), with its Python
+twin (the fourteenth session's), and with neither (the generic decoder only), in alternating rounds of one run,
+server in another process over tcp://127.0.0.1.
 
     python bench/codec_paths.py                       # 1 and 16 tokens (4 and 64 KiB), 1 and 8 in flight
     python bench/codec_paths.py --tokens 16 --depth 1 --rounds 9
 
-Two servers run side by side: one as shipped, one whose ``parse_request`` is the generic decoder's. The client
-decodes replies with ``decode_reply`` (as shipped) against the first and with the generic ``_decode_reply``
-against the second. Each request: ``get`` (fp16) of a stored sequence of ``tokens``, or ``append`` of
+Three servers run side by side, one per path, and the client reads the replies of each with the same path. Each
+request: ``get`` (fp16) of a stored sequence of ``tokens``, or ``append`` of
 ``tokens`` (keys + values) to one of ``depth`` sequences, dropped every 100 appends. The layout is bench/wire.py's
 (one layer of 8 KV heads x 128: 4 KiB of keys + values per token). Reported: medians over the rounds of the wall
 time per request and of this client thread's CPU per request.
@@ -30,15 +30,29 @@ import wire  # noqa: E402
 from kvd.client import Client, recycle_buffers  # noqa: E402
 from kvd.wire import protocol as p  # noqa: E402
 
-PATHS = ("flat (as shipped)", "generic only")
+PATHS = ("typed", "python", "generic")
 
 
-def server(conn: Any, generic: bool) -> None:
-    """bench/wire.py's fp16 kvd server; with ``generic``, its requests are parsed by the generic decoder only."""
-    from kvd.wire import protocol
+def _none(frames: Any, limits: Any) -> None:
+    return None
 
-    if generic:
-        protocol.parse_request = protocol._parse_request  # the server loop looks it up on the module each time
+
+def use(path: str) -> None:
+    """Make ``path`` the fast path of this process's codec (each function looks it up on the module at every
+    call): "typed" reads and writes the four messages with kvd.wire._flatwire; "python" reads them with the
+    Python twin and writes them with the generic encoder (the fourteenth session); "generic": neither."""
+    typed = p._load_typed()
+    if typed is None:
+        raise SystemExit("kvd.wire._flatwire is not built: pip install -e . builds it")
+    p._fast_reply, p._fast_request = {"typed": (typed.fast_reply, typed.fast_request),
+                                      "python": (p._fast_reply_py, p._fast_request_py),
+                                      "generic": (_none, _none)}[path]
+    p._TYPED = typed if path == "typed" else None  # encode_request / encode_reply: typed, else the generic
+
+
+def server(conn: Any, path: str) -> None:
+    """bench/wire.py's fp16 kvd server, reading requests with ``path``."""
+    use(path)
     wire.kvd_server(conn, "fp16", wire.GET_CAPACITY_BYTES)
 
 
@@ -82,19 +96,18 @@ def main() -> int:
     if min(sizes) < 1 or min(depths) < 1 or args.rounds < 1 or not args.seconds > 0:
         ap.error("--tokens, --depth and --rounds must be >= 1, --seconds > 0")
     recycle_buffers()  # as bench/wire.py's client process
-    decoders = {PATHS[0]: p.decode_reply, PATHS[1]: p._decode_reply}
     servers: dict[str, tuple[Any, Any, Client]] = {}
     try:
         for name in PATHS:
-            proc, endpoint, conn = wire.start(server, name == PATHS[1])
+            proc, endpoint, conn = wire.start(server, name)
             client = Client(endpoint, timeout_s=60)
             servers[name] = (proc, conn, client)
             client.register(wire.NS, num_layers=wire.LAYERS, num_kv_heads=wire.HEADS, head_dim=wire.DIM)
-        print(f"kvd client and ShardServer, flat codec paths vs the generic decoder only; medians of "
-              f"{args.rounds} alternating rounds of {args.seconds:g} s, us per request")
-        print("| request | tokens | in flight | flat: wall | generic: wall | flat / generic | flat: client CPU | "
-              "generic: client CPU |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"kvd client and ShardServer, the fast path's typed twin, its Python twin, and the generic decoder "
+              f"only; medians of {args.rounds} alternating rounds of {args.seconds:g} s, us per request")
+        print("| request | tokens | in flight | typed: wall | python: wall | generic: wall | typed / python | "
+              "typed / generic | client CPU: typed / python / generic |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for tokens in sizes:
             k, v = wire.kv(tokens)
             for _, _, client in servers.values():
@@ -106,7 +119,7 @@ def main() -> int:
                     for _ in range(args.rounds):
                         for name in PATHS:
                             client = servers[name][2]
-                            p.decode_reply = decoders[name]  # the client's calls look it up on the module
+                            use(name)
                             try:
                                 fn = workload(client, op, tokens, depth)
                                 for _ in range(50):
@@ -118,11 +131,12 @@ def main() -> int:
                                 runs[name].append(((time.perf_counter() - t0) / n * 1e6,
                                                    (time.thread_time() - c0) / n * 1e6))
                             finally:
-                                p.decode_reply = decoders[PATHS[0]]
+                                use(PATHS[0])
                     wall = [statistics.median(r[0] for r in runs[name]) for name in PATHS]
                     cpu = [statistics.median(r[1] for r in runs[name]) for name in PATHS]
-                    print(f"| {op} | {tokens} | {depth} | {wall[0]:.1f} | {wall[1]:.1f} | "
-                          f"{wall[0] / wall[1]:.2f} | {cpu[0]:.1f} | {cpu[1]:.1f} |", flush=True)
+                    print(f"| {op} | {tokens} | {depth} | {wall[0]:.1f} | {wall[1]:.1f} | {wall[2]:.1f} | "
+                          f"{wall[0] / wall[1]:.2f} | {wall[0] / wall[2]:.2f} | "
+                          f"{cpu[0]:.1f} / {cpu[1]:.1f} / {cpu[2]:.1f} |", flush=True)
     finally:
         for proc, conn, client in servers.values():
             client.close()
