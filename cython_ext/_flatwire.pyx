@@ -50,9 +50,12 @@ cdef object _GetReply = None, _AppendReply = None, _GetRequest = None, _AppendRe
 cdef object _DTYPES = None, _F16 = None, _ndarray = None, _new = None, _tensor_view = None
 cdef uint64_t _VERSION = 0
 
+cdef struct Lim:
+    Py_ssize_t header, frame, message
+
 # the limits last seen, as C integers (a Limits is frozen: its identity names its values)
 cdef object _lim = None
-cdef Py_ssize_t _max_header = 0, _max_frame = 0, _max_message = 0
+cdef Lim _lim_c
 
 
 def bind(get_reply, append_reply, get_request, append_request, dtypes, uint64_t version, tensor_frame):
@@ -67,15 +70,16 @@ def bind(get_reply, append_reply, get_request, append_request, dtypes, uint64_t 
     _tensor_view = tensor_frame
 
 
-cdef int _limits(object limits) except -1:
-    global _lim, _max_header, _max_frame, _max_message
-    if limits is _lim:
-        return 0
-    cdef Py_ssize_t header = limits.max_header_bytes, frame = limits.max_frame_bytes
-    cdef Py_ssize_t message = limits.max_message_bytes
-    # all set with no Python code in between: another thread sees the old limits or the new ones
-    _max_header, _max_frame, _max_message = header, frame, message
-    _lim = limits
+cdef int _limits(object limits, Lim* out) except -1:
+    """``limits`` as C integers, in the caller's own copy (the cache is shared by every thread)."""
+    global _lim, _lim_c
+    cdef Lim fresh
+    if limits is not _lim:
+        fresh.header, fresh.frame = limits.max_header_bytes, limits.max_frame_bytes
+        fresh.message = limits.max_message_bytes
+        _lim_c = fresh  # with no Python code in between: the values and the identity change together
+        _lim = limits
+    out[0] = _lim_c
     return 0
 
 
@@ -250,10 +254,11 @@ cdef inline bint _tensor_frame(object frame, uint64_t need) except -1:
     return <uint64_t>_byte_frame(frame, &data) == need
 
 
-cdef inline bint _tensor_bytes(uint64_t* dims, uint64_t itemsize, Py_ssize_t size, uint64_t* need) noexcept nogil:
+cdef inline bint _tensor_bytes(uint64_t* dims, uint64_t itemsize, Py_ssize_t size, const Lim* lim,
+                               uint64_t* need) noexcept nogil:
     """The bytes of each tensor frame of ``dims`` in ``need``, if they fit the frame and message limits."""
     cdef uint64_t n = itemsize
-    cdef uint64_t cap = <uint64_t>_max_frame
+    cdef uint64_t cap = <uint64_t>lim.frame
     cdef int i
     for i in range(4):
         if dims[i] == 0:
@@ -263,7 +268,7 @@ cdef inline bint _tensor_bytes(uint64_t* dims, uint64_t itemsize, Py_ssize_t siz
         if n > cap / dims[i]:  # so n * dims[i] <= cap, which is under 2**63: no overflow
             return False
         n *= dims[i]
-    if n > <uint64_t>(_max_message - size) / 2:  # size <= max_header_bytes <= max_message_bytes
+    if n > <uint64_t>(lim.message - size) / 2:  # size <= max_header_bytes <= max_message_bytes
         return False
     need[0] = n
     return True
@@ -291,14 +296,15 @@ def fast_reply(frames, limits):
     cdef uint64_t v = 0, rid = 0, start = 0, end = 0, length = 0, need = 0
     cdef uint64_t shape[4]
     cdef uint64_t lays[MAX_FLAT_LAYERS]
+    cdef Lim lim
     if not PyList_CheckExact(frames) and not PyTuple_CheckExact(frames):
         return None
     n = len(frames)
     if n != 3 and n != 1:
         return None
-    _limits(limits)
+    _limits(limits, &lim)
     size = _byte_frame(frames[0], &head)
-    if size <= 0 or size > _max_header or head[0] != (0x8A if n == 3 else 0x85):  # a map of 10 or 5 entries
+    if size <= 0 or size > lim.header or head[0] != (0x8A if n == 3 else 0x85):  # a map of 10 or 5 entries
         return None
     r.p, r.end = head + 1, head + size
     for i in range(head[0] & 0x0F):
@@ -363,7 +369,7 @@ def fast_reply(frames, limits):
     if not start <= end <= MAX_POSITION or shape[0] != <uint64_t>nlay or shape[1] != end - start \
             or shape[1] > MAX_INDEX or not 1 <= shape[2] <= MAX_INDEX or not 1 <= shape[3] <= MAX_INDEX:
         return None
-    if not _tensor_bytes(shape, 2, size, &need) or not _tensor_frame(frames[1], need) \
+    if not _tensor_bytes(shape, 2, size, &lim, &need) or not _tensor_frame(frames[1], need) \
             or not _tensor_frame(frames[2], need):
         return None
     keys, values = _arrays(frames, shape, _F16)
@@ -398,14 +404,15 @@ def fast_request(frames, limits):
     cdef bint has_position = False, pages = False
     cdef uint64_t shape[4]
     cdef uint64_t lays[MAX_FLAT_LAYERS]
+    cdef Lim lim
     if not PyList_CheckExact(frames) and not PyTuple_CheckExact(frames):
         return None
     n = len(frames)
     if n != 3 and n != 1:
         return None
-    _limits(limits)
+    _limits(limits, &lim)
     size = _byte_frame(frames[0], &head)
-    if size <= 0 or size > _max_header:
+    if size <= 0 or size > lim.header:
         return None
     entries = head[0] ^ 0x80
     if (n == 1 and entries != 9) or (n == 3 and not 8 <= entries <= 10):
@@ -524,7 +531,7 @@ def fast_request(frames, limits):
     for i in range(4):
         if not 1 <= shape[i] <= MAX_INDEX:
             return None
-    if not _tensor_bytes(shape, kind.itemsize, size, &need) or not _tensor_frame(frames[1], need) \
+    if not _tensor_bytes(shape, kind.itemsize, size, &lim, &need) or not _tensor_frame(frames[1], need) \
             or not _tensor_frame(frames[2], need):
         return None
     keys, values = _arrays(frames, shape, kind)
@@ -674,6 +681,7 @@ cdef inline bint w_seq_id(Wr* w, object x) except -1:
 cdef list _message(Wr* w, unsigned char* start, object limits, object key_frame, object value_frame):
     """The frames (header, and the two tensor frames if given), or None if a limit refuses them."""
     cdef Py_ssize_t size = w.p - start, n, total
+    cdef Lim lim
     if w.bad:
         return None
     # (the header fits every header limit, see HEADER_ROOM, and every limit allows 3 frames)
@@ -681,10 +689,10 @@ cdef list _message(Wr* w, unsigned char* start, object limits, object key_frame,
     if key_frame is None:
         return [header]
     if limits is not None:
-        _limits(limits)
+        _limits(limits, &lim)
         total = len(key_frame)
         n = len(value_frame)
-        if total > _max_frame or n > _max_frame or size + total + n > _max_message:
+        if total > lim.frame or n > lim.frame or size + total + n > lim.message:
             return None
     return [header, key_frame, value_frame]
 
