@@ -5,6 +5,7 @@ server in another process over tcp://127.0.0.1.
 
     python bench/codec_paths.py                       # 1 and 16 tokens (4 and 64 KiB), 1 and 8 in flight
     python bench/codec_paths.py --tokens 16 --depth 1 --rounds 9
+    python bench/codec_paths.py --cold 8              # each codec call in one process, warm and cold
 
 Three servers run side by side, one per path, and the client reads the replies of each with the same path. Each
 request: ``get`` (fp16) of a stored sequence of ``tokens``, or ``append`` of
@@ -25,6 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 import wire  # noqa: E402
 
 from kvd.client import Client, recycle_buffers  # noqa: E402
@@ -81,12 +83,57 @@ def workload(client: Client, op: str, tokens: int, depth: int) -> Any:
     return get if op == "get" else append
 
 
+def cold(mib: int, tokens: int = 16, calls: int = 1500) -> int:
+    """Each codec call of a ``tokens`` get and its reply, on each path, in this process: warm (back to back) and
+    cold (after reading ``mib`` MiB, which evicts the caches as the other process's copies do in a round trip).
+    Medians, us per call."""
+    keys, values = wire.kv(tokens)
+    shape = (wire.LAYERS, tokens, wire.HEADS, wire.DIM)
+    keys, values = keys.reshape(shape), values.reshape(shape)
+    reply = p.GetReply(request_id=7, start=0, end=tokens, layers=(0,), keys=keys, values=values)
+    request = p.GetRequest(request_id=7, namespace=wire.NS, seq_id="read")
+    reply_frames = [bytes(f) for f in p.encode_reply(reply)]
+    request_frames = [bytes(f) for f in p.encode_request(request)]
+    limits = p.DEFAULT_LIMITS
+    calls_of = {
+        "encode a get request": lambda: p.encode_request(request, limits),
+        "parse a get request (server)": lambda: p.parse_request([memoryview(f) for f in request_frames], limits),
+        "encode its reply (server)": lambda: p.encode_reply(reply, limits),
+        "decode the reply (client)": lambda: p.decode_reply([memoryview(f) for f in reply_frames], limits),
+    }
+    junk = np.ones(mib << 20, np.uint8)
+    print(f"codec calls for a get of {tokens} token(s) ({tokens * wire.TOKEN_BYTES >> 10} KiB), warm and after "
+          f"reading {mib} MiB; medians of {calls} calls, us")
+    print("| call | typed: warm | typed: cold | python: warm | python: cold | generic: warm | generic: cold |")
+    print("|---|---|---|---|---|---|---|")
+    for name, call in calls_of.items():
+        row = []
+        for path in PATHS:
+            use(path)
+            warm, chilled = [], []
+            for _ in range(calls):
+                t0 = time.perf_counter_ns()
+                call()
+                warm.append(time.perf_counter_ns() - t0)
+            for _ in range(calls):
+                junk.sum()
+                t0 = time.perf_counter_ns()
+                call()
+                chilled.append(time.perf_counter_ns() - t0)
+            row += [statistics.median(warm[100:]) / 1e3, statistics.median(chilled[100:]) / 1e3]
+        use(PATHS[0])
+        print(f"| {name} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1,16", help="tokens per request, comma-separated (4 KiB each)")
     ap.add_argument("--depth", default="1,8", help="requests in flight, comma-separated")
     ap.add_argument("--rounds", type=int, default=7, help="alternating rounds per case")
     ap.add_argument("--seconds", type=float, default=1.5, help="seconds per path per round")
+    ap.add_argument("--cold", type=int, metavar="MIB", help="instead: each codec call warm and after reading MIB "
+                    "MiB (no server)")
     args = ap.parse_args()
     try:
         sizes = [int(x) for x in args.tokens.split(",")]
@@ -95,6 +142,12 @@ def main() -> int:
         ap.error("--tokens and --depth take comma-separated integers")
     if min(sizes) < 1 or min(depths) < 1 or args.rounds < 1 or not args.seconds > 0:
         ap.error("--tokens, --depth and --rounds must be >= 1, --seconds > 0")
+    if args.cold is not None:
+        if args.cold < 1:
+            ap.error("--cold takes a size in MiB >= 1")
+        for tokens in sizes:
+            cold(args.cold, tokens)
+        return 0
     recycle_buffers()  # as bench/wire.py's client process
     servers: dict[str, tuple[Any, Any, Client]] = {}
     try:
