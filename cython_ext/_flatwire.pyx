@@ -189,6 +189,13 @@ cdef inline bint ascii(const unsigned char* s, Py_ssize_t n) noexcept nogil:
     return True
 
 
+cdef inline int rd_opt_position(Rd* r, uint64_t* out) noexcept nogil:
+    """nil (0), or an integer in [0, MAX_POSITION] (1); -1 for anything else."""
+    if rd_byte(r, 0xC0):
+        return 0
+    return 1 if rd_uint(r, out) and out[0] <= MAX_POSITION else -1
+
+
 cdef inline bint rd_text(Rd* r, const unsigned char** s, Py_ssize_t* n, Py_ssize_t low,
                          Py_ssize_t high) noexcept nogil:
     """An ASCII string of ``low`` to ``high`` bytes."""
@@ -283,6 +290,36 @@ cdef inline int _set(object obj, str name, object value) except -1:
     return PyObject_GenericSetAttr(obj, name, value)
 
 
+cdef Py_ssize_t _open(object frames, object limits, Lim* lim, const unsigned char** head, Py_ssize_t* n) except -2:
+    """The header of a message of 1 or 3 frames (``n``) as bytes (``head``, the returned size), with ``limits`` as
+    C integers in ``lim``; -1 for anything else (not a list or tuple, another frame count, an empty header or one
+    over the header limit)."""
+    cdef Py_ssize_t size
+    if not PyList_CheckExact(frames) and not PyTuple_CheckExact(frames):
+        return -1
+    n[0] = len(frames)
+    if n[0] != 3 and n[0] != 1:
+        return -1
+    _limits(limits, lim)
+    size = _byte_frame(frames[0], head)
+    return size if 0 < size <= lim.header else -1
+
+
+cdef inline int rd_envelope(Rd* r, const unsigned char* k, Py_ssize_t klen, const char* op, uint64_t* v,
+                            uint64_t* rid) noexcept nogil:
+    """The value of an envelope key (v, id, op: ``op`` is the only one taken): its bit (1, 2, 4); 0 if ``k`` is
+    another key, -1 for a value not taken."""
+    cdef const unsigned char* s
+    cdef Py_ssize_t slen
+    if is_(k, klen, b"v"):
+        return 1 if rd_uint(r, v) else -1
+    if is_(k, klen, b"id"):
+        return 2 if rd_uint(r, rid) else -1
+    if is_(k, klen, b"op"):
+        return 4 if rd_str(r, &s, &slen) and is_(s, slen, op) else -1
+    return 0
+
+
 # ---- replies -----------------------------------------------------------------------------------------------------
 
 def fast_reply(frames, limits):
@@ -293,35 +330,23 @@ def fast_reply(frames, limits):
     cdef const unsigned char* s
     cdef Rd r
     cdef unsigned int seen = 0, bit
+    cdef int env
     cdef uint64_t v = 0, rid = 0, start = 0, end = 0, length = 0, need = 0
     cdef uint64_t shape[4]
     cdef uint64_t lays[MAX_FLAT_LAYERS]
     cdef Lim lim
-    if not PyList_CheckExact(frames) and not PyTuple_CheckExact(frames):
-        return None
-    n = len(frames)
-    if n != 3 and n != 1:
-        return None
-    _limits(limits, &lim)
-    size = _byte_frame(frames[0], &head)
-    if size <= 0 or size > lim.header or head[0] != (0x8A if n == 3 else 0x85):  # a map of 10 or 5 entries
+    size = _open(frames, limits, &lim, &head, &n)
+    if size < 0 or head[0] != (0x8A if n == 3 else 0x85):  # a map of 10 or 5 entries
         return None
     r.p, r.end = head + 1, head + size
     for i in range(head[0] & 0x0F):
         if not rd_str(&r, &k, &klen):
             return None
-        if is_(k, klen, b"v"):
-            bit = 1
-            if not rd_uint(&r, &v):
-                return None
-        elif is_(k, klen, b"id"):
-            bit = 2
-            if not rd_uint(&r, &rid):
-                return None
-        elif is_(k, klen, b"op"):
-            bit = 4
-            if not rd_str(&r, &s, &slen) or not is_(s, slen, b"get" if n == 3 else b"append"):
-                return None
+        env = rd_envelope(&r, k, klen, b"get" if n == 3 else b"append", &v, &rid)
+        if env < 0:
+            return None
+        if env:
+            bit = env
         elif is_(k, klen, b"ok"):
             bit = 8
             if not rd_byte(&r, 0xC3):
@@ -399,20 +424,15 @@ def fast_request(frames, limits):
     cdef const unsigned char* dt = NULL
     cdef Rd r
     cdef unsigned int seen = 0, bit, entries
+    cdef int env
     cdef uint64_t v = 0, rid = 0, start = 0, end = 0, offset = 0, position = 0, seq_int = 0, need = 0
-    cdef bint seq_is_int = False, has_end = False, has_layers = False, has_offset = False
-    cdef bint has_position = False, pages = False
+    cdef bint seq_is_int = False, has_layers = False, pages = False
+    cdef int has_end = 0, has_offset = 0, has_position = 0  # 1: a value, 0: nil or absent, -1: a bad value
     cdef uint64_t shape[4]
     cdef uint64_t lays[MAX_FLAT_LAYERS]
     cdef Lim lim
-    if not PyList_CheckExact(frames) and not PyTuple_CheckExact(frames):
-        return None
-    n = len(frames)
-    if n != 3 and n != 1:
-        return None
-    _limits(limits, &lim)
-    size = _byte_frame(frames[0], &head)
-    if size <= 0 or size > lim.header:
+    size = _open(frames, limits, &lim, &head, &n)
+    if size < 0:
         return None
     entries = head[0] ^ 0x80
     if (n == 1 and entries != 9) or (n == 3 and not 8 <= entries <= 10):
@@ -421,18 +441,11 @@ def fast_request(frames, limits):
     for i in range(entries):
         if not rd_str(&r, &k, &klen):
             return None
-        if is_(k, klen, b"v"):
-            bit = 1
-            if not rd_uint(&r, &v):
-                return None
-        elif is_(k, klen, b"id"):
-            bit = 2
-            if not rd_uint(&r, &rid):
-                return None
-        elif is_(k, klen, b"op"):
-            bit = 4
-            if not rd_str(&r, &s, &slen) or not is_(s, slen, b"get" if n == 1 else b"append"):
-                return None
+        env = rd_envelope(&r, k, klen, b"get" if n == 1 else b"append", &v, &rid)
+        if env < 0:
+            return None
+        if env:
+            bit = env
         elif is_(k, klen, b"namespace"):
             bit = 8
             if not rd_text(&r, &ns, &ns_len, 1, MAX_NAMESPACE_BYTES):
@@ -451,12 +464,7 @@ def fast_request(frames, limits):
                 return None
         elif n == 1 and is_(k, klen, b"end"):
             bit = 64
-            if rd_uint(&r, &end):
-                has_end = True
-                if end > MAX_POSITION:
-                    return None
-            elif not rd_byte(&r, 0xC0):
-                return None
+            has_end = rd_opt_position(&r, &end)
         elif n == 1 and is_(k, klen, b"layers"):
             bit = 128
             if not rd_byte(&r, 0xC0):  # nil first: a failed array read has moved the reader
@@ -473,12 +481,7 @@ def fast_request(frames, limits):
                 return None
         elif n == 3 and is_(k, klen, b"offset"):
             bit = 32
-            if rd_uint(&r, &offset):
-                has_offset = True
-                if offset > MAX_POSITION:
-                    return None
-            elif not rd_byte(&r, 0xC0):
-                return None
+            has_offset = rd_opt_position(&r, &offset)
         elif n == 3 and is_(k, klen, b"dtype"):
             bit = 64
             if not rd_str(&r, &dt, &dt_len):
@@ -489,12 +492,7 @@ def fast_request(frames, limits):
                 return None
         elif n == 3 and is_(k, klen, b"position"):
             bit = 256
-            if rd_uint(&r, &position):
-                has_position = True
-                if position > MAX_POSITION:
-                    return None
-            elif not rd_byte(&r, 0xC0):
-                return None
+            has_position = rd_opt_position(&r, &position)
         elif n == 3 and is_(k, klen, b"incarnation"):
             bit = 512
             if rd_byte(&r, 0xC0):
@@ -503,7 +501,7 @@ def fast_request(frames, limits):
                 return None
         else:
             return None
-        if seen & bit:  # a duplicate key
+        if seen & bit or has_end < 0 or has_offset < 0 or has_position < 0:  # a duplicate key, a bad position
             return None
         seen |= bit
     # every required key: v, id, op, namespace, seq_id and the op's own (the optional ones are 256 and 512)
@@ -697,32 +695,46 @@ cdef list _message(Wr* w, unsigned char* start, object limits, object key_frame,
     return [header, key_frame, value_frame]
 
 
+cdef inline bint w_envelope(Wr* w, unsigned char entries, object request_id, const char* op) except -1:
+    """A map of ``entries`` and its first keys, v, id and op (the generic encoder's envelope, in its order)."""
+    w_byte(w, 0x80 | entries)
+    w_key(w, b"v")
+    w_uint(w, _VERSION)
+    w_key(w, b"id")
+    if not w_pyuint(w, request_id):
+        return False
+    w_key(w, b"op")
+    w_key(w, op)
+    return True
+
+
+cdef inline bint w_uint_field(Wr* w, const char* key, object value) except -1:
+    w_key(w, key)
+    return w_pyuint(w, value)
+
+
+cdef inline bint w_str_field(Wr* w, const char* key, object value) except -1:
+    w_key(w, key)
+    return w_pystr(w, value)
+
+
+cdef inline bint w_sequence(Wr* w, object req) except -1:
+    """A request's namespace and seq_id."""
+    if not w_str_field(w, b"namespace", req.namespace):
+        return False
+    w_key(w, b"seq_id")
+    return w_seq_id(w, req.seq_id)
+
+
 def encode_request(req, limits):
     """The frames of a get or an append request, as the generic encoder makes them; else None."""
     cdef unsigned char buf[HEADER_ROOM]
     cdef Wr w
-    cdef Py_ssize_t entries
     w.p, w.end, w.bad = buf, buf + HEADER_ROOM, False
     cls = type(req)
     if cls is _GetRequest:
-        if req.packed is not False:
-            return None
-        w_byte(&w, 0x89)
-        w_key(&w, b"v")
-        w_uint(&w, _VERSION)
-        w_key(&w, b"id")
-        if not w_pyuint(&w, req.request_id):
-            return None
-        w_key(&w, b"op")
-        w_key(&w, b"get")
-        w_key(&w, b"namespace")
-        if not w_pystr(&w, req.namespace):
-            return None
-        w_key(&w, b"seq_id")
-        if not w_seq_id(&w, req.seq_id):
-            return None
-        w_key(&w, b"start")
-        if not w_pyuint(&w, req.start):
+        if req.packed is not False or not w_envelope(&w, 9, req.request_id, b"get") or not w_sequence(&w, req) \
+                or not w_uint_field(&w, b"start", req.start):
             return None
         w_key(&w, b"end")
         if not w_opt_uint(&w, req.end):
@@ -733,45 +745,25 @@ def encode_request(req, limits):
             w_byte(&w, 0xC0)
         elif not w_pyints(&w, layers):
             return None
-        w_key(&w, b"format")
-        if not w_pystr(&w, req.format):
+        if not w_str_field(&w, b"format", req.format):
             return None
         return _message(&w, buf, limits, None, None)
     if cls is not _AppendRequest:
         return None
     keys, values, position, incarnation = req.keys, req.values, req.position, req.incarnation
-    entries = 8 + (position is not None) + (incarnation is not None)
-    w_byte(&w, 0x80 | <unsigned char>entries)
-    w_key(&w, b"v")
-    w_uint(&w, _VERSION)
-    w_key(&w, b"id")
-    if not w_pyuint(&w, req.request_id):
-        return None
-    w_key(&w, b"op")
-    w_key(&w, b"append")
-    w_key(&w, b"namespace")
-    if not w_pystr(&w, req.namespace):
-        return None
-    w_key(&w, b"seq_id")
-    if not w_seq_id(&w, req.seq_id):
+    if not w_envelope(&w, 8 + (position is not None) + (incarnation is not None), req.request_id, b"append") \
+            or not w_sequence(&w, req):
         return None
     w_key(&w, b"offset")
-    if not w_opt_uint(&w, req.offset):
-        return None
-    w_key(&w, b"dtype")
-    if not w_pystr(&w, req.dtype):
+    if not w_opt_uint(&w, req.offset) or not w_str_field(&w, b"dtype", req.dtype):
         return None
     w_key(&w, b"shape")
     if not w_pyints(&w, list(keys.shape)):
         return None
-    if position is not None:
-        w_key(&w, b"position")
-        if not w_pyuint(&w, position):
-            return None
-    if incarnation is not None:
-        w_key(&w, b"incarnation")
-        if not w_pystr(&w, incarnation):
-            return None
+    if position is not None and not w_uint_field(&w, b"position", position):
+        return None
+    if incarnation is not None and not w_str_field(&w, b"incarnation", incarnation):
+        return None
     return _message(&w, buf, limits, _tensor_view(keys), _tensor_view(values))
 
 
@@ -783,35 +775,24 @@ def encode_reply(reply, limits):
     cls = type(reply)
     if cls is not _GetReply and cls is not _AppendReply:
         return None
-    w_byte(&w, 0x8A if cls is _GetReply else 0x85)
-    w_key(&w, b"v")
-    w_uint(&w, _VERSION)
-    w_key(&w, b"id")
-    if not w_pyuint(&w, reply.request_id):
+    if not w_envelope(&w, 10 if cls is _GetReply else 5, reply.request_id, b"get" if cls is _GetReply
+                      else b"append"):
         return None
-    w_key(&w, b"op")
-    w_key(&w, b"get" if cls is _GetReply else b"append")
     w_key(&w, b"ok")
     w_byte(&w, 0xC3)
     if cls is _AppendReply:
-        w_key(&w, b"length")
-        if not w_pyuint(&w, reply.length):
+        if not w_uint_field(&w, b"length", reply.length):
             return None
         return _message(&w, buf, limits, None, None)
     keys, values = reply.keys, reply.values
-    w_key(&w, b"start")
-    if not w_pyuint(&w, reply.start):
-        return None
-    w_key(&w, b"end")
-    if not w_pyuint(&w, reply.end):
+    if not w_uint_field(&w, b"start", reply.start) or not w_uint_field(&w, b"end", reply.end):
         return None
     w_key(&w, b"layers")
     if not w_pyints(&w, reply.layers):
         return None
     w_key(&w, b"format")
     w_key(&w, b"fp16")
-    w_key(&w, b"dtype")
-    if not w_pystr(&w, reply.dtype):
+    if not w_str_field(&w, b"dtype", reply.dtype):
         return None
     w_key(&w, b"shape")
     if not w_pyints(&w, list(keys.shape)):
