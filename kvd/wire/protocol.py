@@ -501,7 +501,7 @@ def _decode_reply(frames: Sequence[Any], limits: Limits) -> Reply:
 # always the generic decoder's (tests/unit/test_protocol_fast.py compares the two on valid and broken messages).
 # These Python functions have a typed twin, kvd.wire._flatwire (cython_ext/_flatwire.pyx), which is the fast path
 # wherever it is built (always, with the kernels) unless KVD_PURE_PYTHON is set: the same checks compiled to C,
-# reading the header's bytes without msgpack, three to four times cheaper with cold caches. It also writes these
+# reading the header's bytes without msgpack, two to four times cheaper with cold caches. It also writes these
 # four messages (encode_request / encode_reply), byte for byte as the generic encoder does. The tests run every
 # case against both twins.
 
