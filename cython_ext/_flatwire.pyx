@@ -39,16 +39,13 @@ cdef extern from "Python.h":
     void* PyErr_Occurred()
     void PyErr_Clear()
 
-cdef uint64_t MAX_INDEX = 2147483647ULL
-cdef uint64_t MAX_POSITION = 9223372036854775807ULL
-cdef Py_ssize_t MAX_NAMESPACE_BYTES = 256
-cdef Py_ssize_t MAX_SEQ_ID_BYTES = 1024
-cdef Py_ssize_t MAX_TEXT_BYTES = 1024
-
-# bound once by kvd.wire.protocol (bind): the message classes, the dtypes, the protocol version
+# bound once by kvd.wire.protocol (bind): the message classes, the dtypes, the protocol version and kvd.wire.schema's
+# bounds (so the two twins cannot drift apart)
 cdef object _GetReply = None, _AppendReply = None, _GetRequest = None, _AppendRequest = None
 cdef object _DTYPES = None, _F16 = None, _ndarray = None, _new = None, _tensor_view = None
 cdef uint64_t _VERSION = 0
+cdef uint64_t MAX_INDEX = 0, MAX_POSITION = 0
+cdef Py_ssize_t MAX_NAMESPACE_BYTES = 0, MAX_SEQ_ID_BYTES = 0, MAX_TEXT_BYTES = 0
 
 cdef struct Lim:
     Py_ssize_t header, frame, message
@@ -58,16 +55,20 @@ cdef object _lim = None
 cdef Lim _lim_c
 
 
-def bind(get_reply, append_reply, get_request, append_request, dtypes, uint64_t version, tensor_frame):
+def bind(get_reply, append_reply, get_request, append_request, dtypes, uint64_t version, tensor_frame,
+         uint64_t max_index, uint64_t max_position, Py_ssize_t max_namespace, Py_ssize_t max_seq_id,
+         Py_ssize_t max_text):
     """Called once by kvd.wire.protocol: the classes to build, the constants to check against, and the function
     that makes an array's frame."""
     global _GetReply, _AppendReply, _GetRequest, _AppendRequest, _DTYPES, _F16, _ndarray, _new, _VERSION
-    global _tensor_view
+    global _tensor_view, MAX_INDEX, MAX_POSITION, MAX_NAMESPACE_BYTES, MAX_SEQ_ID_BYTES, MAX_TEXT_BYTES
     import numpy
     _GetReply, _AppendReply, _GetRequest, _AppendRequest = get_reply, append_reply, get_request, append_request
     _DTYPES, _F16, _ndarray, _new = dtypes, dtypes["float16"], numpy.ndarray, object.__new__
     _VERSION = version
     _tensor_view = tensor_frame
+    MAX_INDEX, MAX_POSITION = max_index, max_position
+    MAX_NAMESPACE_BYTES, MAX_SEQ_ID_BYTES, MAX_TEXT_BYTES = max_namespace, max_seq_id, max_text
 
 
 cdef int _limits(object limits, Lim* out) except -1:

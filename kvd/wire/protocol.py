@@ -716,7 +716,8 @@ def _load_typed() -> Any:
         _flatwire = importlib.import_module("kvd.wire._flatwire")  # an extension: no stub for type checkers
     except ImportError:
         return None
-    _flatwire.bind(GetReply, AppendReply, GetRequest, AppendRequest, DTYPES, PROTOCOL_VERSION, tensor_frame)
+    _flatwire.bind(GetReply, AppendReply, GetRequest, AppendRequest, DTYPES, PROTOCOL_VERSION, tensor_frame,
+                   MAX_INDEX, MAX_POSITION, MAX_NAMESPACE_BYTES, MAX_SEQ_ID_BYTES, MAX_TEXT_BYTES)
     return _flatwire
 
 
