@@ -37,7 +37,8 @@ kernels = cythonize(
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         ),
         # the typed twin of the wire codec's fast path (kvd/wire/protocol.py); always built, like the kernels
-        Extension("kvd.wire._flatwire", sources=["cython_ext/_flatwire.pyx"], extra_compile_args=compile_args),
+        Extension("kvd.wire._flatwire", sources=["cython_ext/_flatwire.pyx"],
+                  depends=sorted(glob("cython_ext/flatwire/*.pxi")), extra_compile_args=compile_args),
     ],
     compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False, "cdivision": True},
 )
