@@ -33,7 +33,7 @@ def encode_request(req, limits):
     if not w_opt_uint(&w, req.offset) or not w_str_field(&w, b"dtype", req.dtype):
         return None
     w_key(&w, b"shape")
-    if not w_pyints(&w, list(keys.shape)):
+    if not w_pyints(&w, keys.shape):
         return None
     if position is not None and not w_uint_field(&w, b"position", position):
         return None
@@ -70,6 +70,6 @@ def encode_reply(reply, limits):
     if not w_str_field(&w, b"dtype", reply.dtype):
         return None
     w_key(&w, b"shape")
-    if not w_pyints(&w, list(keys.shape)):
+    if not w_pyints(&w, keys.shape):
         return None
     return _message(&w, buf, limits, _tensor_view(keys), _tensor_view(values))
