@@ -67,8 +67,6 @@ class Compaction:
             flags: int,
         ) -> bytearray: ...  # fmt: skip
 
-        def _prune_log(self, *, force: bool) -> None: ...
-
         def _set_level_in_force(self, level: Level) -> None: ...
 
         def _rung_level(self, rung: int) -> Level: ...
@@ -125,7 +123,6 @@ class Compaction:
         cap, led = self.capacity_bytes, self._ledger
         before, level = led.used, self._level
         led.pool.clear()
-        self._prune_log(force=True)
         while led.used + need > cap:
             if self._backlog_bytes():
                 self._compact_pages(lambda _rec: led.used + need <= cap)

@@ -25,9 +25,11 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   error is that of q4 plus the 8-bit error it already had. Level drops only change new pages.
 * **Accounting.** ``used_bytes`` = every record's length + every hot tail's full size + the pool's free buffers
   + stated metadata charges (:mod:`kvd.store.pool`: per page, per logged row, per sequence and layer, per
-  namespace). An append computes the bytes it will allocate before touching anything. If they do not fit, it
-  first compresses: the oldest pages are re-encoded toward the level in force, and the store's own level rises
-  one rung at a time up to ``max_level`` (it runs *ahead* of the ordered level; :mod:`kvd.store.compact`).
+  namespace; a forgotten sequence's log entries stop counting at once and are freed at a later prune, never
+  more than the live ones: :class:`~kvd.store.sequences.CompactionLog`). An append computes the bytes it will
+  allocate before touching anything. If they do not fit, it first compresses: the oldest pages are re-encoded
+  toward the level in force, and the store's own level rises one rung at a time up to ``max_level`` (it runs
+  *ahead* of the ordered level; :mod:`kvd.store.compact`).
   Only if that is not enough it refuses with :class:`~kvd.errors.OutOfMemory` when no room can be made
   (``eviction="none"`` and the pool emptied is not enough, or the sequence alone cannot fit); otherwise it
   builds its pages first, then empties the pool and evicts least-recently-used whole sequences (never the

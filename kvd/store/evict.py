@@ -55,7 +55,6 @@ class Eviction:
             return True
         validate()
         self._ledger.pool.clear()
-        self._prune_log(force=True)
         if self._ledger.used + need <= cap:
             return False
         self._refusals += 1
@@ -73,14 +72,11 @@ class Eviction:
         if self._ledger.used + need <= cap:
             return
         self._ledger.pool.clear()
-        self._prune_log(force=True)
-        # Evicting frees a sequence's buffers at once and its log entries at the next prune (done below).
-        while self._ledger.used - self._log.dead * sp.ROW_META_BYTES + need > cap:
+        while self._ledger.used + need > cap:
             victim = next(k for k in self._seqs if k != key)
             self._evictions += 1
             self._evicted_tokens += self._seqs[victim].length
             self._remove(victim, pool=False)
-        self._prune_log(force=True)
 
     def _remove(self, key: tuple[str, SeqId], *, pool: bool) -> None:
         seq = self._seqs.pop(key)
@@ -108,12 +104,9 @@ class Eviction:
         self._ledger.remove_pages({sp.FMT_NAME[c]: (n, b) for c, (n, b) in tally.items()})
         if seq.tail is not None:
             self._ledger.remove_tail(seq.tail, pool=pool)
-        self._ledger.meta_bytes -= ns.seq_meta
-        self._log.forget(seq)  # its log entries stay charged until pruned
+        self._ledger.meta_bytes -= ns.seq_meta + seq.logged * sp.ROW_META_BYTES
+        self._log.forget(seq)  # its log entries go at a later prune (CompactionLog), uncharged from now on
         self._tokens -= seq.length
         ns.sequences -= 1
         seq.pages, seq.tail, seq.alive = [], None, False
-        self._prune_log(force=False)
-
-    def _prune_log(self, *, force: bool) -> None:
-        self._ledger.meta_bytes -= self._log.prune(force=force) * sp.ROW_META_BYTES
+        self._log.prune()

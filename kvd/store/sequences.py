@@ -435,7 +435,10 @@ def _ahead(flag: int) -> str:
 class CompactionLog:
     """Rows that may need re-compression, ``(seq, row)`` in the order they became eligible (sealed out of the
     window, unprotected): the order of their age. ``cursor`` is where compaction resumes; a level change
-    restarts it. Entries of dropped sequences stay (and stay charged) until :meth:`prune` removes them."""
+    restarts it. Entries of dropped sequences stay until :meth:`prune` removes them, once they are half the
+    log: so forgetting a sequence costs, amortized, what it logged, never a pass over every row kept (which in a
+    full store, evicting on every append, made an append's cost grow with the store). The store stops charging
+    a sequence's entries when it forgets it; the dead awaiting a prune are never more than the live."""
 
     __slots__ = ("entries", "dead", "cursor")
 
@@ -452,10 +455,10 @@ class CompactionLog:
         """``seq`` was dropped: its entries are dead from now on."""
         self.dead += seq.logged
 
-    def prune(self, *, force: bool) -> int:
-        """Remove dead entries (when forced, or when they are half the log); returns how many went."""
+    def prune(self) -> int:
+        """Remove the dead entries if they are half the log; returns how many went."""
         dead = self.dead
-        if not dead or (not force and 2 * dead < len(self.entries)):
+        if not dead or 2 * dead < len(self.entries):
             return 0
         self.cursor = sum(1 for s, _ in self.entries[: self.cursor] if s.alive)
         self.entries = [e for e in self.entries if e[0].alive]

@@ -14,6 +14,7 @@ from kvd.codec import kernels, pages
 from kvd.errors import NonFiniteError, OutOfMemory, UnknownSequence
 from kvd.store import Store
 from kvd.store import pool as sp
+from kvd.store import sequences as store_seq
 
 NS = "m"
 MiB = 1 << 20
@@ -270,6 +271,40 @@ def test_an_evicting_append_holds_at_most_its_own_new_pages_beyond_capacity() ->
             assert traced() - base <= 1.03 * cap
     finally:
         tracemalloc.stop()
+
+
+def test_forgetting_a_sequence_costs_what_it_logged_however_many_are_kept() -> None:
+    """A full store evicts on every append. Forgetting the evicted sequence must cost about what that sequence
+    logged for compaction, not a pass over the rows of every sequence kept: each eviction used to rebuild the
+    whole compaction log, so an append into a full 2 GiB store cost twice one into 256 MiB (BENCHMARKS.md,
+    "Sixteenth session")."""
+    scanned, added = [0], [0]
+
+    class CountingLog(store_seq.CompactionLog):
+        __slots__ = ()
+
+        def add(self, seq, row):  # type: ignore[no-untyped-def]
+            added[0] += 1
+            super().add(seq, row)
+
+        def prune(self) -> int:
+            before = len(self.entries)
+            gone = super().prune()
+            scanned[0] += before if gone else 0
+            return gone
+
+    kept, t = 100, 4 * P  # rows 1-3 of each sequence are logged (row 0 holds the sinks)
+    cap = NS_META + kept * seq_bytes(t, "fp16")
+    s = store(cap, max_level="fp16")
+    s._log = CountingLog()
+    k, v = kv(t)
+    for i in range(3 * kept):
+        s.append(NS, i, k, v)
+        assert s.stats()["used_bytes"] <= cap
+    st = s.stats()
+    assert st["evictions"] >= kept and st["sequences"] >= kept - 2
+    assert added[0] == 3 * 3 * kept
+    assert scanned[0] <= 3 * added[0], (scanned[0], added[0])  # amortized: each entry is looked at a few times
 
 
 # ------------------------------------------------------------------------------------------ compaction
