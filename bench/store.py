@@ -2,7 +2,7 @@
 
     python bench/store.py            # the full tables (about 2 minutes with compiled kernels)
     python bench/store.py --quick    # a smoke run with small sizes (well under a minute)
-    python bench/store.py --only full   # only the appends to a full store
+    python bench/store.py --only full   # only the appends to full stores
 
 1. Append and get throughput in GB/s of fp16 bytes (keys + values), medians over repetitions, per level, for
    the sample layout (30 layers, 3 KV heads, head_dim 64) and a 7B-class layout (32 layers, 8 KV heads,
@@ -10,7 +10,8 @@
    array (what get() has to do: it returns new arrays) in the same run; get_into decodes into reused buffers,
    the fair comparison with copyto. Appends come in 512-token chunks into a store in steady state (the previous
    sequence is dropped before the next is timed).
-   Then appends to a full store (each one evicts, as in a serving cache's steady state), and decode-step
+   Then appends to a full store (each one evicts, as in a serving cache's steady state), to full stores of
+   growing capacity (an append must cost the same however many sequences are kept), and decode-step
    appends: one token of every layer at a time, median and mean us per append.
 2. Tokens held per GiB at each level relative to fp16, for 4,096-token sequences with the default settings
    (sink page raw, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
@@ -158,6 +159,38 @@ def full_store_appends(quick: bool) -> list[list[str]]:
         assert st["used_bytes"] <= st["capacity_bytes"]
         rows.append([level, f"{a_s * 1e6:.0f}", f"{gb / a_s:.2f}", f"{gb / c_s:.2f}", f"{c_s / a_s:.2f}x",
                      f"{(st['evictions'] - ev0) / n:.2f}"])  # fmt: skip
+        del s
+    return rows
+
+
+def full_store_by_capacity(quick: bool) -> list[list[str]]:
+    """1 MiB appends (256 tokens of one 7B-class layer, 8 KV heads x 128: a per-layer store's unit) to full fp16
+    stores of growing capacity, every append evicting the least recently used sequence. A full store's append
+    must cost the same however many sequences it keeps (until the sixteenth session, every eviction rebuilt
+    the whole compaction log). Median us per append, next to numpy.copyto of the same bytes."""
+    rows = []
+    layout, tokens = (1, 8, 128), 256
+    caps = (64 << 20, 256 << 20) if quick else (256 << 20, 1 << 30, 4 << 30)
+    n = 100 if quick else 400
+    k, v = random_kv(layout, tokens)
+    dk, dv = np.empty_like(k), np.empty_like(v)
+    for cap in caps:
+        s = make_store("fp16", layout, capacity=cap, max_level="fp16")
+        i = 0
+        while not s.stats()["evictions"]:
+            s.append("m", i, k, v)
+            i += 1
+        app, copy = [], []
+        ev0 = s.stats()["evictions"]
+        for _ in range(n):
+            app.append(median_time(functools.partial(s.append, "m", i, k, v), 1))
+            copy.append(median_time(functools.partial(_copyto, dk, dv, k, v), 1))
+            i += 1
+        st = s.stats()
+        assert st["used_bytes"] <= st["capacity_bytes"]
+        a_s, c_s = statistics.median(app), statistics.median(copy)
+        rows.append([f"{cap >> 20}", f"{st['sequences']}", f"{a_s * 1e6:.0f}", f"{c_s * 1e6:.0f}",
+                     f"{c_s / a_s:.2f}x", f"{(st['evictions'] - ev0) / n:.2f}"])  # fmt: skip
         del s
     return rows
 
@@ -328,6 +361,9 @@ def full_table(quick: bool) -> None:
     print("## Appends to a full store (8 MiB each, 7B-class, 256 MiB store, LRU eviction; medians)\n")
     table(["level", "us per append", "GB/s", "copyto GB/s", "append / copyto", "evictions per append"],
           full_store_appends(quick))
+    print("## Appends to full stores of growing capacity (1 MiB each, one 7B-class layer, fp16, LRU; medians)\n")
+    table(["capacity MiB", "sequences kept", "us per append", "copyto us", "append / copyto",
+           "evictions per append"], full_store_by_capacity(quick))
 
 
 def main() -> None:
