@@ -8,7 +8,7 @@ methods of kvd.client.Client and kvd.wire.server.ShardServer, so it moves with t
     encode + send       encode_request and the ZeroMQ send
     transit c->s        until the server's loop has the message (ZeroMQ I/O threads, TCP, wake-ups)
     admission           admission into the queue until the request runs
-    server run          parse, store operation, reply encoding (for a request of 1 MiB or more: on the bulk lane)
+    server run          parse, store operation, reply encoding (for a request of 4 MiB or more: on the bulk lane)
     server send         the reply's ZeroMQ send (from the bulk lane: also the hand-back to the loop)
     transit s->c        until the client has the whole reply
     client decode       decode_reply (header, field checks, tensor views)
@@ -20,7 +20,8 @@ methods of kvd.client.Client and kvd.wire.server.ShardServer, so it moves with t
     KVD_PURE_PYTHON=1 python bench/wire_phases.py       # the same with every module from source
 
 ``--threads`` measures instead the CPU each thread of both processes spends per request, for gets answered by
-three servers in alternating rounds, one request at a time and 8 in flight:
+three servers in alternating rounds, one request at a time and 8 in flight (with ``--op append``: raw puts
+against kvd appends into a full store, the first two servers):
 
     raw zmq      bench/wire.py's ROUTER that sends a stored frame back (the transport limit), raw DEALER client
     kvd          a ShardServer (fp16), kvd.client.Client
@@ -28,6 +29,7 @@ three servers in alternating rounds, one request at a time and 8 in flight:
                  only the request id re-packed (kvd's message shape and client, with almost no server work)
 
     python bench/wire_phases.py --threads --tokens 16    # 64 KiB gets
+    python bench/wire_phases.py --threads --op append --tokens 256    # 1 MiB appends
 """
 
 from __future__ import annotations
@@ -156,14 +158,17 @@ def _split(before: Threads, after: Threads) -> tuple[float, float, float]:
     return (rest[-1] if rest else 0.0), io, sum(rest[:-1])
 
 
-def threads_only(tokens: int, seconds: float, rounds: int = 3) -> int:
+def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
     from kvd.client import recycle_buffers
 
     recycle_buffers()  # as bench/wire.py's client process: pipelined MiB replies reuse warm buffers
     size = tokens * wire.TOKEN_BYTES
-    servers = {"raw zmq": wire.start(wire.raw_server), "kvd": wire.start(wire.kvd_server, "fp16",
-                                                                           wire.GET_CAPACITY_BYTES),
-               "kvd shape": wire.start(shape_server)}
+    servers = {"raw zmq": wire.start(wire.raw_server)}
+    if op == "get":
+        servers["kvd"] = wire.start(wire.kvd_server, "fp16", wire.GET_CAPACITY_BYTES)
+        servers["kvd shape"] = wire.start(shape_server)
+    else:  # appends into bench/wire.py's append server: a full store, LRU eviction recycling memory
+        servers["kvd"] = wire.start(wire.kvd_server, "fp16", wire.APPEND_CAPACITY_BYTES)
     k, v = wire.kv(tokens)
     batches: dict[tuple[str, int], Any] = {}
     try:
@@ -172,10 +177,15 @@ def threads_only(tokens: int, seconds: float, rounds: int = 3) -> int:
                 raw = wire.Raw(endpoint)
                 raw.batch(b"P", size, bytes(size), 1)()
                 for n in (1, 8):
-                    batches[name, n] = raw.batch(b"G", size, None, n)
+                    batches[name, n] = raw.batch(b"G", size, None, n) if op == "get" else \
+                        raw.batch(b"P", size, os.urandom(size), n)
                 continue
             client = Client(endpoint, timeout_s=60)
             client.register(wire.NS, num_layers=wire.LAYERS, num_kv_heads=wire.HEADS, head_dim=wire.DIM)
+            if op == "append":
+                for n in (1, 8):
+                    batches[name, n] = wire.kvd_batches(client, client, size, n)[0]
+                continue
             client.append(wire.NS, "read", k, v)
             for n in (1, 8):
                 def batch(client: Client = client, n: int = n) -> None:
@@ -204,7 +214,7 @@ def threads_only(tokens: int, seconds: float, rounds: int = 3) -> int:
     finally:
         for proc, _, _ in servers.values():
             proc.kill()
-    print(f"gets of {tokens} token(s) ({size >> 10} KiB), CPU per request by thread (us; medians of {rounds} "
+    print(f"{op}s of {tokens} token(s) ({size >> 10} KiB), CPU per request by thread (us; medians of {rounds} "
           f"rounds of {seconds / rounds:.1f} s; the clock ticks at 10 ms, so small shares are approximate)")
     print("| server | in flight | wall | server app | server ZeroMQ I/O | server other | client app | "
           "client ZeroMQ I/O | client other | CPU total |")
@@ -223,11 +233,12 @@ def main() -> int:
     ap.add_argument("--format", choices=("fp16", "pages"), default="fp16", help="get's reply format")
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--threads", action="store_true",
-                    help="CPU per request of each thread of both processes: raw zmq vs kvd vs kvd's shape (gets)")
+                    help="CPU per request of each thread of both processes: raw zmq vs kvd (and, for gets, kvd's "
+                         "shape)")
     ap.add_argument("--seconds", type=float, default=15.0, help="with --threads: seconds per server and depth")
     args = ap.parse_args()
     if args.threads:
-        return threads_only(args.tokens, args.seconds)
+        return threads_only(args.op, args.tokens, args.seconds)
     n = args.requests
     # appends run against bench/wire.py's smaller store, so that the warm-up fills it and the measured ones are
     # the steady state (LRU eviction recycling memory), not a store still growing into fresh pages
