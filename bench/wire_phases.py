@@ -27,6 +27,8 @@ against kvd appends into a full store, the first two servers):
     kvd          a ShardServer (fp16), kvd.client.Client
     kvd shape    a bare ROUTER loop that answers each get with the encoded frames of a kvd get reply made once,
                  only the request id re-packed (kvd's message shape and client, with almost no server work)
+    kvd ping     the ShardServer answering pings, one at a time: no data and no store, so the fixed cost of any
+                 request in kvd's client and serving loop
 
     python bench/wire_phases.py --threads --tokens 16    # 64 KiB gets
     python bench/wire_phases.py --threads --op append --tokens 256    # 1 MiB appends
@@ -195,13 +197,15 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
                         for pending in [client.get_nowait(wire.NS, "read") for _ in range(n)]:
                             pending.result()
                 batches[name, n] = batch
+            if name == "kvd":  # no data and no store: what any request costs both processes
+                batches["kvd ping", 1] = client.ping
         per: dict[tuple[str, int], list[tuple[float, ...]]] = {key: [] for key in batches}
         me = os.getpid()
         for _ in range(rounds):
             for (name, n), batch in batches.items():
                 for _ in range(50):
                     batch()
-                pid = servers[name][0].pid
+                pid = servers["kvd" if name == "kvd ping" else name][0].pid
                 s0, c0, t0, done = _thread_cpu(pid), _thread_cpu(me), time.perf_counter(), 0
                 while time.perf_counter() - t0 < seconds / rounds:
                     batch()
