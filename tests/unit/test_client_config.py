@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvd.client import core as client_core
 from kvd.client.core import First, _check_hello, _Conn, _Core, _on_wire
 from kvd.client.sync import _append_chunks, aggregate_stats
 from kvd.errors import Busy, ConfigError, InvalidArgument, ShardUnavailable, Timeout
@@ -121,6 +122,30 @@ def test_appends_name_the_shard_incarnation_the_hello_found_and_nothing_else_doe
     assert _on_wire(conn, named) is named  # the incarnation a sequence was written on is kept
     length = p.LengthRequest(request_id=5, namespace="m", seq_id=1)
     assert _on_wire(conn, length) is length
+
+
+def test_a_client_remembers_the_incarnation_of_the_sequences_it_appended_to_last(monkeypatch) -> None:
+    """An append names the shard incarnation its sequence was written on, so a restarted shard refuses to continue
+    it in the middle. The client's memory of them is bounded: the WRITTEN_ENTRIES sequences appended to most
+    recently, the least recently appended forgotten first; a drop forgets at once."""
+    monkeypatch.setattr(client_core, "WRITTEN_ENTRIES", 3)
+    core = _Core("tcp://127.0.0.1:1", timeout_s=1.0, curve=None, limits=None)
+    conn = _Conn("tcp://127.0.0.1:1", None, None)
+    _check_hello(conn, p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,
+                                               shard_id="s", page_tokens=64, incarnation="inc-1"), "s")
+    keys = np.zeros((1, 1, 1, 2), np.float16)
+
+    def append(sid: str) -> p.AppendRequest:
+        return p.AppendRequest(request_id=2, namespace="m", seq_id=sid, keys=keys, values=keys)
+
+    for sid in "abcad":  # a again: now the most recent; d: b, the least recent, is forgotten
+        core._remember(append(sid), conn)
+    assert {sid: core._bind(append(sid)).incarnation for sid in "abcd"} == {
+        "a": "inc-1", "b": None, "c": "inc-1", "d": "inc-1"}
+    core._remember(append("b"), conn)  # back: c is now the least recent, and goes
+    assert [sid for sid in "abcd" if core._bind(append(sid)).incarnation] == ["a", "b", "d"]
+    core._remember(p.DropRequest(request_id=3, namespace="m", seq_id="a"), conn)
+    assert [sid for sid in "abcd" if core._bind(append(sid)).incarnation] == ["b", "d"]
 
 
 def _drive(plan: Any, respond: Any) -> Any:
