@@ -79,14 +79,21 @@ def accounts(client: Client) -> list[dict[str, Any]]:
     return [{key: s.get(key) for key in keys} for s in all_stats(client)]
 
 
-def fill(client: Client, prefix: str, target: float, *, timeout_s: float = 60.0) -> list[str]:
-    """Append one-page sequences until raw cluster pressure reaches ``target``; returns the stored seq ids."""
+def fill(client: Client, prefix: str, target: float, *, until_ordered: str | None = None,
+         timeout_s: float = 60.0) -> list[str]:
+    """Append one-page sequences until raw cluster pressure reaches ``target`` or, with ``until_ordered``, a
+    shard has been ordered to that level; returns the stored seq ids. (A fill slower than the coordinator's
+    reports goes past the threshold before the target: without the stop it would fill on while the shards
+    re-compress, and end with compressed pages, at the target again. That made the q8 test flaky.)"""
     data = chunk(PAGE, 1)
     stored: list[str] = []
     deadline = time.monotonic() + timeout_s
     for i in itertools.count():
-        if i % 4 == 0 and pressure(client) >= target:
-            return stored
+        if i % 4 == 0:
+            stats = all_stats(client)
+            used = sum(s["used_bytes"] for s in stats) / sum(s["capacity_bytes"] for s in stats)
+            if used >= target or any(s["ordered_level"] == until_ordered for s in stats):
+                return stored
         assert time.monotonic() < deadline, f"pressure stuck at {pressure(client):.3f} below {target}"
         try:
             client.append(NS, f"{prefix}-{i}", data, data)
@@ -117,7 +124,7 @@ def test_sequences_spread_and_pressure_moves_every_shard_to_q8_then_q4_and_back(
         assert {ray.get(h.stats.remote())["warm_cache_bytes"] for h in cluster.shards.values()} == {3 << 20}
 
         # Fill to just past 0.80 at fp16: every shard moves to q8 under one epoch.
-        stored = fill(client, "a", 0.82)
+        stored = fill(client, "a", 0.82, until_ordered="q8")
         owners = {ids[owner(ids, NS, s)] for s in stored}
         assert owners == set(ids)  # the client spread sequences over every shard
         # each shard applied the configured TCP buffers to the client's connection (Linux doubles them)
