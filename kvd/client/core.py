@@ -357,7 +357,7 @@ class _Core:
         self._topo = Topology(epoch=None, shards=())
         # sequence -> incarnation it was appended on, least recently appended first. An OrderedDict: a dict's
         # oldest entry, taken with next(iter()) after many deletions, costs a scan over the deleted slots
-        # before it (52 us per append past WRITTEN_ENTRIES sequences; bench/client_state.py)
+        # before it (up to 50 us more per append past WRITTEN_ENTRIES sequences; bench/client_state.py)
         self._written: OrderedDict[tuple[str, type, p.SeqId], str] = OrderedDict()
         self._closed = False
 
