@@ -130,6 +130,29 @@ def throughput(quick: bool) -> list[list[str]]:
     return rows
 
 
+def _evicting_appends(s: Store, append: Callable[[int], tuple[object, np.ndarray, np.ndarray]], evicted: int,
+                      n: int) -> tuple[float, float, float]:
+    """Fill ``s`` until it has evicted ``evicted`` sequences, then time ``n`` appends, ``append(i)`` giving the
+    i-th's (seq_id, keys, values), each next to a numpy.copyto of the same bytes: (median seconds per append,
+    per copyto, evictions per append). A full store's steady state: every append evicts."""
+    i = 0
+    while s.stats()["evictions"] < evicted:
+        s.append("m", *append(i))
+        i += 1
+    k, v = append(0)[1:]
+    dk, dv = np.empty_like(k), np.empty_like(v)
+    app, copy = [], []
+    ev0 = s.stats()["evictions"]
+    for _ in range(n):
+        seq_id, kk, vv = append(i)
+        app.append(median_time(functools.partial(s.append, "m", seq_id, kk, vv), 1))
+        copy.append(median_time(functools.partial(_copyto, dk, dv, kk, vv), 1))
+        i += 1
+    st = s.stats()
+    assert st["used_bytes"] <= st["capacity_bytes"]
+    return statistics.median(app), statistics.median(copy), (st["evictions"] - ev0) / n
+
+
 def full_store_appends(quick: bool) -> list[list[str]]:
     """Per level, fp16 and q4: 8 MiB appends (64 tokens of every layer of the 7B-class layout) to a 256 MiB store
     kept full, over 32 sequences in rotation, so that every append evicts the least recently used: a cache's
@@ -137,28 +160,13 @@ def full_store_appends(quick: bool) -> list[list[str]]:
     rows = []
     layout, tokens, rotation = LAYOUTS["7B-class (32x8x128)"], 64, 32
     n = 40 if quick else 200
+    inputs = [random_kv(layout, tokens, seed) for seed in range(4)]
+    gb = 2 * inputs[0][0].nbytes / 1e9
     for level in ("fp16", "q4"):
         s = make_store(level, layout, capacity=256 << 20)
-        inputs = [random_kv(layout, tokens, seed) for seed in range(4)]
-        k, v = inputs[0]
-        gb = 2 * k.nbytes / 1e9
-        dk, dv = np.empty_like(k), np.empty_like(v)
-        i = 0
-        while s.stats()["evictions"] < rotation:  # fill: from here on, appends evict
-            s.append("m", i % rotation, *inputs[i % 4])
-            i += 1
-        app, copy = [], []
-        ev0 = s.stats()["evictions"]
-        for _ in range(n):
-            kk, vv = inputs[i % 4]
-            app.append(median_time(functools.partial(s.append, "m", i % rotation, kk, vv), 1))
-            copy.append(median_time(functools.partial(_copyto, dk, dv, kk, vv), 1))
-            i += 1
-        a_s, c_s = statistics.median(app), statistics.median(copy)
-        st = s.stats()
-        assert st["used_bytes"] <= st["capacity_bytes"]
+        a_s, c_s, per = _evicting_appends(s, lambda i: (i % rotation, *inputs[i % 4]), rotation, n)
         rows.append([level, f"{a_s * 1e6:.0f}", f"{gb / a_s:.2f}", f"{gb / c_s:.2f}", f"{c_s / a_s:.2f}x",
-                     f"{(st['evictions'] - ev0) / n:.2f}"])  # fmt: skip
+                     f"{per:.2f}"])
         del s
     return rows
 
@@ -173,24 +181,11 @@ def full_store_by_capacity(quick: bool) -> list[list[str]]:
     caps = (64 << 20, 256 << 20) if quick else (256 << 20, 1 << 30, 4 << 30)
     n = 100 if quick else 400
     k, v = random_kv(layout, tokens)
-    dk, dv = np.empty_like(k), np.empty_like(v)
     for cap in caps:
         s = make_store("fp16", layout, capacity=cap, max_level="fp16")
-        i = 0
-        while not s.stats()["evictions"]:
-            s.append("m", i, k, v)
-            i += 1
-        app, copy = [], []
-        ev0 = s.stats()["evictions"]
-        for _ in range(n):
-            app.append(median_time(functools.partial(s.append, "m", i, k, v), 1))
-            copy.append(median_time(functools.partial(_copyto, dk, dv, k, v), 1))
-            i += 1
-        st = s.stats()
-        assert st["used_bytes"] <= st["capacity_bytes"]
-        a_s, c_s = statistics.median(app), statistics.median(copy)
-        rows.append([f"{cap >> 20}", f"{st['sequences']}", f"{a_s * 1e6:.0f}", f"{c_s * 1e6:.0f}",
-                     f"{c_s / a_s:.2f}x", f"{(st['evictions'] - ev0) / n:.2f}"])  # fmt: skip
+        a_s, c_s, per = _evicting_appends(s, lambda i: (i, k, v), 1, n)
+        rows.append([f"{cap >> 20}", f"{s.stats()['sequences']}", f"{a_s * 1e6:.0f}", f"{c_s * 1e6:.0f}",
+                     f"{c_s / a_s:.2f}x", f"{per:.2f}"])
         del s
     return rows
 
