@@ -66,8 +66,9 @@ def all_stats(client: Client) -> list[dict[str, Any]]:
     return [s for s in client.shard_stats() if isinstance(s, dict)]
 
 
-def pressure(client: Client) -> float:
-    stats = all_stats(client)
+def pressure(client: Client, stats: list[dict[str, Any]] | None = None) -> float:
+    """The cluster's raw pressure, from ``stats`` if given (else read now)."""
+    stats = all_stats(client) if stats is None else stats
     return sum(s["used_bytes"] for s in stats) / sum(s["capacity_bytes"] for s in stats)
 
 
@@ -91,8 +92,7 @@ def fill(client: Client, prefix: str, target: float, *, until_ordered: str | Non
     for i in itertools.count():
         if i % 4 == 0:
             stats = all_stats(client)
-            used = sum(s["used_bytes"] for s in stats) / sum(s["capacity_bytes"] for s in stats)
-            if used >= target or any(s["ordered_level"] == until_ordered for s in stats):
+            if pressure(client, stats) >= target or any(s["ordered_level"] == until_ordered for s in stats):
                 return stored
         assert time.monotonic() < deadline, f"pressure stuck at {pressure(client):.3f} below {target}"
         try:
