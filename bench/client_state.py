@@ -5,8 +5,9 @@ shard incarnation each was written on, so that a restarted shard refuses to cont
 bench appends one token to a new sequence each time (as a connector storing one block per sequence does) and
 reports the calling thread's CPU and the wall time per append, medians over windows of appends, by how many
 sequences the client has written so far: below and past that bound the cost must be the same. The server is a
-ShardServer in another process with an incarnation, as a cluster's shards have (256 MiB, evicting); the layout
-is small (1 layer, 1 KV head x 64), so that the client's bookkeeping is what grows, not the bytes.
+ShardServer in another process with an incarnation, as a cluster's shards have (bench/wire.py's, 256 MiB,
+evicting; its own tables run it without one, so their clients remember nothing); the layout is small (1 layer,
+1 KV head x 64), so that the client's bookkeeping is what grows, not the bytes.
 
     python bench/client_state.py                  # up to 140,000 sequences (about a minute)
     python bench/client_state.py --sequences 20000 --window 1000   # a smoke run
@@ -19,7 +20,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -32,25 +32,13 @@ from kvd.client import Client  # noqa: E402
 from kvd.client import core as client_core  # noqa: E402
 
 
-def server(conn: Any) -> None:
-    """A ShardServer as a cluster runs one: with an incarnation, which its clients then remember per sequence
-    (bench/wire.py's servers have none, so their clients remember nothing)."""
-    from kvd.store import Store
-    from kvd.wire.server import ShardServer
-
-    shard = ShardServer(Store(wire.APPEND_CAPACITY_BYTES, eviction="lru"), shard_id="bench", incarnation="inc-1")
-    conn.send(shard.start())
-    conn.recv()  # until told to stop
-    shard.stop()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sequences", type=int, default=140_000, help="sequences written in all")
     ap.add_argument("--window", type=int, default=4000, help="appends per reported window")
     args = ap.parse_args()
     bound = client_core.WRITTEN_ENTRIES
-    proc, endpoint, pipe = wire.start(server)
+    proc, endpoint, pipe = wire.start(wire.kvd_server, "fp16", wire.APPEND_CAPACITY_BYTES, "inc-1")
     rows = []
     try:
         client = Client(endpoint, timeout_s=60)

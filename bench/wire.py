@@ -128,7 +128,9 @@ def raw_server(conn: Any) -> None:
             break
 
 
-def kvd_server(conn: Any, level: str, capacity_bytes: int) -> None:
+def kvd_server(conn: Any, level: str, capacity_bytes: int, incarnation: str | None = None) -> None:
+    """A ShardServer storing at ``level``; ``incarnation``: as a cluster's shards have one (clients then remember
+    it per sequence they append to)."""
     from kvd.store import Store
     from kvd.wire.server import ShardServer
 
@@ -137,7 +139,7 @@ def kvd_server(conn: Any, level: str, capacity_bytes: int) -> None:
     store = Store(capacity_bytes, eviction="lru", max_level=level)
     if level != "fp16":
         store.set_level(level, 1)
-    server = ShardServer(store, shard_id=f"bench-{level}")
+    server = ShardServer(store, shard_id=f"bench-{level}", incarnation=incarnation)
     conn.send(server.start())
     conn.recv()  # until told to stop
     server.stop()
