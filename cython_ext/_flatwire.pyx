@@ -46,7 +46,7 @@ cdef extern from "Python.h":
 # bound once by kvd.wire.protocol (bind): the message classes, the dtypes, the protocol version and kvd.wire.schema's
 # bounds (so the two twins cannot drift apart)
 cdef object _GetReply = None, _AppendReply = None, _GetRequest = None, _AppendRequest = None
-cdef object _DTYPES = None, _F16 = None, _ndarray = None, _new = None, _tensor_view = None
+cdef object _DTYPES = None, _F16 = None, _ndarray = None, _new = None, _tensor_view = None, _packed_tensors = None
 cdef uint64_t _VERSION = 0
 cdef uint64_t MAX_INDEX = 0, MAX_POSITION = 0
 cdef Py_ssize_t MAX_NAMESPACE_BYTES = 0, MAX_SEQ_ID_BYTES = 0, MAX_TEXT_BYTES = 0
@@ -60,17 +60,18 @@ cdef Lim _lim_c
 
 
 def bind(get_reply, append_reply, get_request, append_request, dtypes, uint64_t version, tensor_frame,
-         uint64_t max_index, uint64_t max_position, Py_ssize_t max_namespace, Py_ssize_t max_seq_id,
-         Py_ssize_t max_text):
-    """Called once by kvd.wire.protocol: the classes to build, the constants to check against, and the function
-    that makes an array's frame."""
+         packed_tensors, uint64_t max_index, uint64_t max_position, Py_ssize_t max_namespace,
+         Py_ssize_t max_seq_id, Py_ssize_t max_text):
+    """Called once by kvd.wire.protocol: the classes to build, the constants to check against, and the functions
+    that make an array's frame and the one frame of packed keys and values."""
     global _GetReply, _AppendReply, _GetRequest, _AppendRequest, _DTYPES, _F16, _ndarray, _new, _VERSION
-    global _tensor_view, MAX_INDEX, MAX_POSITION, MAX_NAMESPACE_BYTES, MAX_SEQ_ID_BYTES, MAX_TEXT_BYTES
+    global _tensor_view, _packed_tensors, MAX_INDEX, MAX_POSITION, MAX_NAMESPACE_BYTES, MAX_SEQ_ID_BYTES
+    global MAX_TEXT_BYTES
     import numpy
     _GetReply, _AppendReply, _GetRequest, _AppendRequest = get_reply, append_reply, get_request, append_request
     _DTYPES, _F16, _ndarray, _new = dtypes, dtypes["float16"], numpy.ndarray, object.__new__
     _VERSION = version
-    _tensor_view = tensor_frame
+    _tensor_view, _packed_tensors = tensor_frame, packed_tensors
     MAX_INDEX, MAX_POSITION = max_index, max_position
     MAX_NAMESPACE_BYTES, MAX_SEQ_ID_BYTES, MAX_TEXT_BYTES = max_namespace, max_seq_id, max_text
 

@@ -8,8 +8,9 @@ def encode_request(req, limits):
     w.p, w.end, w.bad = buf, buf + HEADER_ROOM, False
     cls = type(req)
     if cls is _GetRequest:
-        if req.packed is not False or not w_envelope(&w, 9, req.request_id, b"get") or not w_sequence(&w, req) \
-                or not w_uint_field(&w, b"start", req.start):
+        packed = req.packed
+        if (packed is not False and packed is not True) or not w_envelope(&w, 9 + packed, req.request_id, b"get") \
+                or not w_sequence(&w, req) or not w_uint_field(&w, b"start", req.start):
             return None
         w_key(&w, b"end")
         if not w_opt_uint(&w, req.end):
@@ -22,12 +23,17 @@ def encode_request(req, limits):
             return None
         if not w_str_field(&w, b"format", req.format):
             return None
+        if packed:
+            w_key(&w, b"packed")
+            w_byte(&w, 0xC3)
         return _message(&w, buf, limits, None, None)
     if cls is not _AppendRequest:
         return None
-    keys, values, position, incarnation = req.keys, req.values, req.position, req.incarnation
-    if not w_envelope(&w, 8 + (position is not None) + (incarnation is not None), req.request_id, b"append") \
-            or not w_sequence(&w, req):
+    keys, values, position, incarnation, packed = req.keys, req.values, req.position, req.incarnation, req.packed
+    if packed is not False and packed is not True:
+        return None
+    if not w_envelope(&w, 8 + (position is not None) + (incarnation is not None) + packed, req.request_id,
+                      b"append") or not w_sequence(&w, req):
         return None
     w_key(&w, b"offset")
     if not w_opt_uint(&w, req.offset) or not w_str_field(&w, b"dtype", req.dtype):
@@ -39,6 +45,10 @@ def encode_request(req, limits):
         return None
     if incarnation is not None and not w_str_field(&w, b"incarnation", incarnation):
         return None
+    if packed:
+        w_key(&w, b"packed")
+        w_byte(&w, 0xC3)
+        return _message(&w, buf, limits, _packed_tensors(keys, values), None)
     return _message(&w, buf, limits, _tensor_view(keys), _tensor_view(values))
 
 
@@ -50,8 +60,9 @@ def encode_reply(reply, limits):
     cls = type(reply)
     if cls is not _GetReply and cls is not _AppendReply:
         return None
-    if not w_envelope(&w, 10 if cls is _GetReply else 5, reply.request_id, b"get" if cls is _GetReply
-                      else b"append"):
+    packed = reply.packed if cls is _GetReply else None
+    if not w_envelope(&w, 5 if cls is _AppendReply else 10 if packed is None else 11, reply.request_id,
+                      b"get" if cls is _GetReply else b"append"):
         return None
     w_key(&w, b"ok")
     w_byte(&w, 0xC3)
@@ -72,4 +83,8 @@ def encode_reply(reply, limits):
     w_key(&w, b"shape")
     if not w_pyints(&w, keys.shape):
         return None
+    if packed is not None:
+        w_key(&w, b"packed")
+        w_byte(&w, 0xC3)
+        return _message(&w, buf, limits, packed, None)
     return _message(&w, buf, limits, _tensor_view(keys), _tensor_view(values))

@@ -130,8 +130,9 @@ cdef inline bint w_seq_id(Wr* w, object x) except -1:
 
 
 cdef list _message(Wr* w, unsigned char* start, object limits, object key_frame, object value_frame):
-    """The frames (header, and the two tensor frames if given), or None if a limit refuses them."""
-    cdef Py_ssize_t size = w.p - start, n, total
+    """The frames (header, then the two tensor frames if given, or the one packed frame given as ``key_frame``
+    with ``value_frame`` None), or None if a limit refuses them."""
+    cdef Py_ssize_t size = w.p - start, n = 0, total
     cdef Lim lim
     if w.bad:
         return None
@@ -142,9 +143,12 @@ cdef list _message(Wr* w, unsigned char* start, object limits, object key_frame,
     if limits is not None:
         _limits(limits, &lim)
         total = len(key_frame)
-        n = len(value_frame)
+        if value_frame is not None:
+            n = len(value_frame)
         if total > lim.frame or n > lim.frame or size + total + n > lim.message:
             return None
+    if value_frame is None:
+        return [header, key_frame]
     return [header, key_frame, value_frame]
 
 

@@ -54,6 +54,7 @@ from kvd.wire.schema import (
     check_tensors,
     check_text_list,
     int_in,
+    packed_tensors,
     pages_from_wire,
     split_packed,
     tensor_frame,
@@ -170,14 +171,15 @@ class AppendRequest(_Message):
     ``position`` (protocol 1.3): where the sequence's token 0 sits in its prompt (Store.append); it is on the
     wire only when set, so a request without it is the same bytes as in 1.2. ``incarnation`` (protocol 1.3):
     if set, a shard of another incarnation (it restarted, empty) refuses the append with WrongShard; on the
-    wire only when set.
+    wire only when set. ``packed`` (protocol 1.4): keys and values travel in one frame, keys first (a copy of both
+    is sent; on the wire only when true). A decoded packed request's arrays are views of that one frame.
     """
 
     OP = "append"
     FIELDS = (*_NS_SEQ, ("offset", check_opt_position))
     OPTIONAL = ("offset",)
-    EXTRA_KEYS = ("dtype", "shape", "position", "incarnation")
-    FRAMES = 2
+    EXTRA_KEYS = ("dtype", "shape", "position", "incarnation", "packed")
+    FRAMES = None  # 2, or 1 when packed (tensors_from_wire counts them)
     namespace: str
     seq_id: SeqId
     keys: Any
@@ -186,6 +188,7 @@ class AppendRequest(_Message):
     dtype: str | None = None
     position: int | None = None
     incarnation: str | None = None
+    packed: bool = False
 
     def _cross_check(self, wire: bool = False) -> None:
         if not wire:  # a decoded request's arrays were built from the frames with the declared dtype and shape
@@ -193,6 +196,7 @@ class AppendRequest(_Message):
             object.__setattr__(self, "position", check_opt_position("position", self.position, InvalidArgument))
             if self.incarnation is not None:
                 check_short_text("incarnation", self.incarnation, InvalidArgument)
+            object.__setattr__(self, "packed", check_bool("packed", self.packed, InvalidArgument))
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
         extra: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.keys.shape)}
@@ -200,11 +204,15 @@ class AppendRequest(_Message):
             extra["position"] = self.position
         if self.incarnation is not None:
             extra["incarnation"] = self.incarnation
+        if self.packed:
+            extra["packed"] = True
+            return extra, [packed_tensors(self.keys, self.values)]
         return extra, [tensor_frame(self.keys), tensor_frame(self.values)]
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        out = tensors_from_wire(header, frames, min_dims=(1, 1, 1, 1), dtypes=tuple(DTYPES))
+        out = tensors_from_wire(header, frames, min_dims=(1, 1, 1, 1), dtypes=tuple(DTYPES), op=cls.OP)
+        out["packed"] = "packed" in out
         out["position"] = check_opt_position("position", header.get("position"), ProtocolError)
         value = header.get("incarnation")
         if value is not None:
@@ -216,9 +224,10 @@ class AppendRequest(_Message):
 class GetRequest(_Message):
     """Store.get (``format="fp16"``, reply :class:`GetReply`) or get_pages (``"pages"``, :class:`GetPagesReply`).
 
-    Tokens ``[start, end)`` (``end=None``: to the end) of ``layers`` (None: all, in order). ``packed`` (protocol
-    1.1, ``format="pages"`` only) asks for the pages in a few frames; it is on the wire only when true, so a
-    request without it is the same bytes as in 1.0.
+    Tokens ``[start, end)`` (``end=None``: to the end) of ``layers`` (None: all, in order). ``packed`` asks for
+    the reply's binary parts in few frames: the pages of ``format="pages"`` (protocol 1.1), the keys and values
+    of ``"fp16"`` in one frame (protocol 1.4). It is on the wire only when true, so a request without it is the
+    same bytes as in 1.0.
     """
 
     OP = "get"
@@ -244,8 +253,6 @@ class GetRequest(_Message):
             raise InvalidArgument(f"start must be <= end, got start={self.start} end={self.end}")
         if not wire:
             object.__setattr__(self, "packed", check_bool("packed", self.packed, InvalidArgument))
-        if self.packed and self.format != "pages":
-            raise InvalidArgument(f"packed applies to format pages only, got format {self.format!r}")
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
         return ({"packed": True} if self.packed else {}), []
@@ -403,24 +410,34 @@ class AppendReply(_Message):
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class GetReply(_Message):
-    """Decoded float16 ``keys`` and ``values`` ``[len(layers), end - start, H, D]`` of tokens [start, end)."""
+    """Decoded float16 ``keys`` and ``values`` ``[len(layers), end - start, H, D]`` of tokens [start, end).
+
+    ``packed`` (protocol 1.4): None sends keys and values as two frames; otherwise the one frame to send instead,
+    holding keys then values (:meth:`kvd.store.Store.get_packed` gives both without a copy). A decoded packed
+    reply has the received frame here, and keys and values are views of it."""
 
     OP = "get"
     FIELDS = (("start", check_position), ("end", check_position), ("layers", check_required_layers))
-    EXTRA_KEYS = ("format", "dtype", "shape")
-    FRAMES = 2
+    EXTRA_KEYS = ("format", "dtype", "shape", "packed")
+    FRAMES = None  # 2, or 1 when packed (tensors_from_wire counts them)
     start: int
     end: int
     layers: tuple[int, ...]
     keys: Any
     values: Any
     dtype: str = "float16"
+    packed: Frame | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
         if not wire:
             if self.dtype != "float16":
                 raise InvalidArgument(f"a get reply carries float16 tensors, got dtype {self.dtype!r}")
             check_tensors(self, min_dims=(1, 0, 1, 1), declared="float16")
+            if self.packed is not None:
+                packed = byte_view(self.packed, "packed")
+                if bytes(packed) != bytes(tensor_frame(self.keys)) + bytes(tensor_frame(self.values)):
+                    raise InvalidArgument("packed is not the bytes of keys then values")
+                object.__setattr__(self, "packed", packed)
         want = (len(self.layers), self.end - self.start)
         if self.end < self.start or self.keys.shape[:2] != want:
             raise InvalidArgument(
@@ -429,14 +446,15 @@ class GetReply(_Message):
             )
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return (
-            {"format": "fp16", "dtype": self.dtype, "shape": list(self.keys.shape)},
-            [tensor_frame(self.keys), tensor_frame(self.values)],
-        )
+        extra = {"format": "fp16", "dtype": self.dtype, "shape": list(self.keys.shape)}
+        if self.packed is not None:
+            extra["packed"] = True
+            return extra, [self.packed]
+        return extra, [tensor_frame(self.keys), tensor_frame(self.values)]
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        return tensors_from_wire(header, frames, min_dims=(1, 0, 1, 1), dtypes=("float16",))
+        return tensors_from_wire(header, frames, min_dims=(1, 0, 1, 1), dtypes=("float16",), op=cls.OP)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -108,6 +108,7 @@ from kvd.wire.schema import (  # noqa: F401 - constants re-exported: kvd.protoco
     frame_tensor,
     int_in,
     is_int,
+    packed_tensors,
     plain_int,
     show,
     tensor_frame,
@@ -506,6 +507,7 @@ def _decode_reply(frames: Sequence[Any], limits: Limits) -> Reply:
 # case against both twins.
 
 _GET_REPLY_KEYS = frozenset(("v", "id", "op", "ok", "start", "end", "layers", "format", "dtype", "shape"))
+_PACKED_GET_REPLY_KEYS = _GET_REPLY_KEYS | {"packed"}  # protocol 1.4: keys and values in one frame
 _APPEND_REPLY_KEYS = frozenset(("v", "id", "op", "ok", "length"))
 _FIXMAP = 0x80  # msgpack's first byte of a map of up to 15 entries is 0x80 + the count
 _F16 = DTYPES["float16"]
@@ -544,13 +546,15 @@ def _fast_reply_py(frames: Any, limits: Limits) -> AppendReply | GetReply | None
     n = len(frames)
     if n == 3:
         keys = _GET_REPLY_KEYS
+    elif n == 2:
+        keys = _PACKED_GET_REPLY_KEYS
     elif n == 1:
         keys = _APPEND_REPLY_KEYS
     else:
         return None
     # with the exact key set, no value of the accepted types below is a map (and max_frames is >= 3)
     opened = _flat_header(frames, limits, (len(keys),))
-    if opened is None or opened[0].keys() != keys:
+    if opened is None or opened[0].keys() != keys or (n == 2 and opened[0]["packed"] is not True):
         return None
     header, size = opened
     v, rid = header["v"], header["id"]
@@ -592,15 +596,23 @@ def _fast_reply_py(frames: Any, limits: Limits) -> AppendReply | GetReply | None
     _set(got, "keys", tensors[0])
     _set(got, "values", tensors[1])
     _set(got, "dtype", "float16")
+    _set(got, "packed", frames[1] if n == 2 else None)
     return got
 
 
 def _flat_tensors(frames: Any, size: int, limits: Limits, dims: tuple[int, int, int, int],
                   kind: np.dtype) -> tuple[np.ndarray, np.ndarray] | None:
-    """The keys and values of a flat path's message: its two byte frames as arrays of ``dims`` and ``kind``, if
-    each is exactly that size and the frame and message limits hold (``size``: the header's); else None."""
-    key_frame, value_frame = frames[1], frames[2]
+    """The keys and values of a flat path's message: its two byte frames (or its one packed frame, keys then
+    values, when the message has 2 frames) as arrays of ``dims`` and ``kind``, if each is exactly that size and
+    the frame and message limits hold (``size``: the header's); else None."""
     need = dims[0] * dims[1] * dims[2] * dims[3] * kind.itemsize
+    if len(frames) == 2:
+        frame = frames[1]
+        if (not _byte_frame(frame) or len(frame) != 2 * need or 2 * need > limits.max_frame_bytes
+                or size + 2 * need > limits.max_message_bytes):
+            return None
+        return np.ndarray(dims, kind, frame), np.ndarray(dims, kind, frame, need)
+    key_frame, value_frame = frames[1], frames[2]
     if (not _byte_frame(key_frame) or not _byte_frame(value_frame) or len(key_frame) != need
             or len(value_frame) != need or need > limits.max_frame_bytes
             or size + 2 * need > limits.max_message_bytes):
@@ -609,8 +621,11 @@ def _flat_tensors(frames: Any, size: int, limits: Limits, dims: tuple[int, int, 
 
 
 _GET_REQUEST_KEYS = frozenset(("v", "id", "op", "namespace", "seq_id", "start", "end", "layers", "format"))
+_PACKED_GET_REQUEST_KEYS = _GET_REQUEST_KEYS | {"packed"}  # on the wire only when true (protocol 1.1 / 1.4)
 _APPEND_REQUEST_KEYS = frozenset(("v", "id", "op", "namespace", "seq_id", "offset", "dtype", "shape"))
 _APPEND_REQUEST_MORE = frozenset(("position", "incarnation"))  # on the wire only when set (protocol 1.3)
+_PACKED_APPEND_REQUEST_KEYS = _APPEND_REQUEST_KEYS | {"packed"}  # one frame of keys then values (protocol 1.4)
+_PACKED_APPEND_REQUEST_ANY = _PACKED_APPEND_REQUEST_KEYS | _APPEND_REQUEST_MORE
 
 
 def _fast_request_py(frames: Any, limits: Limits) -> AppendRequest | GetRequest | None:
@@ -619,19 +634,26 @@ def _fast_request_py(frames: Any, limits: Limits) -> AppendRequest | GetRequest 
         return None
     n = len(frames)
     if n == 1:
-        opened = _flat_header(frames, limits, (len(_GET_REQUEST_KEYS),))
+        opened = _flat_header(frames, limits, (9, 10))  # packed is sent only when true
     elif n == 3:
         opened = _flat_header(frames, limits, (8, 9, 10))  # position and incarnation are sent only when set
+    elif n == 2:
+        opened = _flat_header(frames, limits, (9, 10, 11))  # packed, and position and incarnation when set
     else:
         return None
     if opened is None:
         return None
     header, size = opened
     if n == 1:
-        if header.keys() != _GET_REQUEST_KEYS or header["op"] != "get":
+        if (header.keys() != _GET_REQUEST_KEYS and header.keys() != _PACKED_GET_REQUEST_KEYS) or (
+                header["op"] != "get" or header.get("packed", True) is not True):
             return None
-    elif not _APPEND_REQUEST_KEYS <= header.keys() <= _APPEND_REQUEST_KEYS | _APPEND_REQUEST_MORE or (
-            header["op"] != "append"):
+    elif n == 3:
+        if not _APPEND_REQUEST_KEYS <= header.keys() <= _APPEND_REQUEST_KEYS | _APPEND_REQUEST_MORE or (
+                header["op"] != "append"):
+            return None
+    elif not _PACKED_APPEND_REQUEST_KEYS <= header.keys() <= _PACKED_APPEND_REQUEST_ANY or (
+            header["op"] != "append" or header["packed"] is not True):
         return None
     v, rid, namespace, seq_id = header["v"], header["id"], header["namespace"], header["seq_id"]
     if (type(v) is not int or v != PROTOCOL_VERSION or type(rid) is not int or not 0 <= rid <= MAX_REQUEST_ID
@@ -671,7 +693,7 @@ def _fast_get_request(header: dict[str, Any], rid: int, namespace: str, seq_id: 
     _set(req, "end", end)
     _set(req, "layers", layers)
     _set(req, "format", fmt)
-    _set(req, "packed", False)
+    _set(req, "packed", "packed" in header)  # (True: the caller saw to it)
     return req
 
 
@@ -706,6 +728,7 @@ def _fast_append_request(header: dict[str, Any], frames: Any, size: int, limits:
     _set(req, "dtype", dtype)
     _set(req, "position", position)
     _set(req, "incarnation", incarnation)
+    _set(req, "packed", len(frames) == 2)
     return req
 
 
@@ -717,7 +740,7 @@ def _load_typed() -> Any:
     except ImportError:
         return None
     _flatwire.bind(GetReply, AppendReply, GetRequest, AppendRequest, DTYPES, PROTOCOL_VERSION, tensor_frame,
-                   MAX_INDEX, MAX_POSITION, MAX_NAMESPACE_BYTES, MAX_SEQ_ID_BYTES, MAX_TEXT_BYTES)
+                   packed_tensors, MAX_INDEX, MAX_POSITION, MAX_NAMESPACE_BYTES, MAX_SEQ_ID_BYTES, MAX_TEXT_BYTES)
     return _flatwire
 
 

@@ -28,9 +28,11 @@ except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype("<u2")
 
 PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
-PROTOCOL_MINOR = 3  # additions a client can discover through hello; never changes the meaning of old fields
+PROTOCOL_MINOR = 4  # additions a client can discover through hello; never changes the meaning of old fields
 # 1.1: get's ``packed`` field (pages in few frames, docs/protocol.md §6.5)
 # 1.2: the ``lengths`` operation (many sequences' lengths in one request, docs/protocol.md §6.11)
+# 1.3: append's ``position``, hello's and append's ``incarnation``, error WrongShard (docs/protocol.md §3)
+# 1.4: ``packed`` fp16 tensors: keys and values in one frame, in an append and an fp16 get reply (§6.4, §6.5)
 MAX_LOOKUP = 4096  # seq_ids in one ``lengths`` request
 
 _KIB = 1024
@@ -401,16 +403,38 @@ def check_tensors(msg: Any, *, min_dims: tuple[int, ...], declared: str | None) 
 
 
 def tensors_from_wire(
-    header: Mapping[str, Any], frames: list[Frame], *, min_dims: tuple[int, ...], dtypes: Sequence[str]
+    header: Mapping[str, Any], frames: list[Frame], *, min_dims: tuple[int, ...], dtypes: Sequence[str], op: str
 ) -> dict[str, Any]:
+    """``keys``, ``values`` and ``dtype`` from a header's ``dtype`` and ``shape`` and its two frames, or, when the
+    header says ``packed`` (protocol 1.4), from its one frame holding keys then values (then also ``packed``: that
+    frame). Views of the frames, not copies."""
     dtype = header.get("dtype")
     if not isinstance(dtype, str):
         raise ProtocolError(f"dtype must be a string, got {show(dtype)}")
     if dtype not in dtypes:
         raise ProtocolError(f"dtype must be one of {', '.join(dtypes)}, got {dtype[:80]!r}")
     shape = check_shape("shape", header.get("shape"), ProtocolError, min_dims=min_dims)
+    packed = header.get("packed")
+    if packed is not None and check_bool("packed", packed, ProtocolError):  # protocol 1.4: one frame
+        if len(frames) != 1:
+            raise ProtocolError(f"{op}: packed keys and values travel in 1 frame after the header, got "
+                                f"{len(frames)}")
+        need = math.prod(shape) * DTYPES[dtype].itemsize
+        frame = frames[0]
+        if len(frame) != 2 * need:
+            raise ProtocolError(f"packed keys and values frame has {len(frame)} bytes but shape {list(shape)} of "
+                                f"{dtype} needs 2 x {need}")
+        return {"keys": np.ndarray(shape, DTYPES[dtype], frame), "dtype": dtype, "packed": frame,
+                "values": np.ndarray(shape, DTYPES[dtype], frame, need)}
+    if len(frames) != 2:
+        raise ProtocolError(f"{op}: expected 2 frames after the header, got {len(frames)}")
     keys = frame_tensor(frames[0], "keys", dtype, shape)
     return {"keys": keys, "values": frame_tensor(frames[1], "values", dtype, shape), "dtype": dtype}
+
+
+def packed_tensors(keys: np.ndarray, values: np.ndarray) -> bytes:
+    """``keys`` then ``values`` as the one frame of packed tensors (protocol 1.4): a copy of both."""
+    return b"".join((tensor_frame(keys), tensor_frame(values)))
 
 
 def check_page_entry(i: int, entry: Any) -> PageEntry:

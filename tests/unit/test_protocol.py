@@ -63,6 +63,9 @@ def same(a: Any, b: Any) -> bool:
         elif f.name == "packed" and isinstance(x, tuple) and isinstance(y, tuple):
             if [bytes(f) for f in x] != [bytes(f) for f in y]:
                 return False
+        elif f.name == "packed" and isinstance(x, (bytes, memoryview)) and isinstance(y, (bytes, memoryview)):
+            if bytes(x) != bytes(y):  # a packed get reply's frame: the bytes, whatever holds them
+                return False
         elif f.name == "entries":
             if [(e[0], e[1], bytes(e[2]), bytes(e[3])) for e in x] != [
                 (e[0], e[1], bytes(e[2]), bytes(e[3])) for e in y
@@ -174,6 +177,12 @@ def examples() -> dict[str, Any]:
             request_id=21, code=19, error="WrongShard",
             message="shard 'shard-0' does not own sequence 7 of namespace 'm': shard 'shard-1' does "
                     "(topology epoch 4); refresh the topology and resend"),
+        # protocol 1.4: keys and values packed in one frame, in an append and in an fp16 get reply
+        "append_request_packed": p.AppendRequest(request_id=22, namespace="smollm2", seq_id="req-42", keys=k16,
+                                                 values=v16, packed=True),
+        "get_request_fp16_packed": p.GetRequest(request_id=23, namespace="smollm2", seq_id="req-42", packed=True),
+        "get_reply_fp16_packed": p.GetReply(request_id=23, start=0, end=3, layers=(0, 1), keys=k16, values=v16,
+                                            packed=np.concatenate([k16, v16]).tobytes()),
     }
 
 
@@ -444,8 +453,56 @@ def test_packed_frames_must_be_the_entries_pages() -> None:
         dataclasses.replace(msg, packed=frames[0])
     with pytest.raises(InvalidArgument, match="packed must be a boolean"):
         p.GetRequest(request_id=1, namespace="m", seq_id=1, format="pages", packed=1)
-    with pytest.raises(InvalidArgument, match="packed applies to format pages only"):
-        p.GetRequest(request_id=1, namespace="m", seq_id=1, packed=True)
+    # since protocol 1.4 an fp16 get may ask for packed keys and values too
+    assert p.GetRequest(request_id=1, namespace="m", seq_id=1, packed=True).packed is True
+
+
+def test_packed_tensors_travel_as_one_frame_of_keys_then_values() -> None:
+    examples_ = examples()
+    k16, v16 = examples_["append_request_float16"].keys, examples_["append_request_float16"].values
+    joined = k16.tobytes() + v16.tobytes()
+    for name in ("append_request_packed", "get_reply_fp16_packed"):
+        frames = as_bytes(encode(examples_[name]))
+        assert len(frames) == 2 and frames[1] == joined, name
+        assert msgpack.unpackb(frames[0])["packed"] is True
+        for twin in (p.decode_request, p.decode_reply):
+            if (twin is p.decode_request) != name.startswith("append"):
+                continue
+            got = twin([frames[0], bytearray(frames[1])])  # a writable frame: the arrays are views of it
+            assert got.keys.tobytes() == k16.tobytes() and got.values.tobytes() == v16.tobytes()
+            assert got.keys.base is not None and got.values.base is not None
+            assert np.shares_memory(got.keys, got.values) is False
+            assert (got.packed is True) if name.startswith("append") else bytes(got.packed) == joined
+    # unpacked and packed messages carry the same tensors
+    plain = p.decode_request(encode(examples_["append_request_float16"]))
+    packed = p.decode_request(encode(examples_["append_request_packed"]))
+    assert plain.keys.tobytes() == packed.keys.tobytes() and plain.values.tobytes() == packed.values.tobytes()
+    assert (plain.packed, packed.packed) == (False, True)
+
+
+@pytest.mark.parametrize("name", ["append_request_packed", "get_reply_fp16_packed"])
+def test_a_packed_message_with_a_wrong_frame_is_refused_by_name(name: str) -> None:
+    frames = as_bytes(encode(examples()[name]))
+    decode_ = p.decode_request if name.startswith("append") else p.decode_reply
+    with pytest.raises(ProtocolError, match="packed keys and values frame has 95 bytes but shape .* needs 2 x 48"):
+        decode_([frames[0], frames[1][:-1]])
+    with pytest.raises(ProtocolError, match="packed keys and values travel in 1 frame after the header, got 2"):
+        decode_([frames[0], frames[1][:48], frames[1][48:]])
+    header = msgpack.unpackb(frames[0])
+    header["packed"] = 1
+    with pytest.raises(ProtocolError, match="packed must be a boolean"):
+        decode_([msgpack.packb(header), frames[1]])
+    header["packed"] = False  # false is the unpacked form: two frames
+    with pytest.raises(ProtocolError, match="expected 2 frames after the header, got 1"):
+        decode_([msgpack.packb(header), frames[1]])
+
+
+def test_a_packed_get_reply_must_hold_its_keys_and_values() -> None:
+    msg = examples()["get_reply_fp16_packed"]
+    with pytest.raises(InvalidArgument, match="packed is not the bytes of keys then values"):
+        dataclasses.replace(msg, packed=msg.values.tobytes() + msg.keys.tobytes())
+    with pytest.raises(InvalidArgument, match="packed is not the bytes of keys then values"):
+        dataclasses.replace(msg, packed=msg.keys.tobytes())
 
 
 def test_a_request_without_packed_keeps_its_1_0_bytes() -> None:
@@ -613,7 +670,6 @@ REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
     ("layers is a map", request("get", layers={"0": 0}), ProtocolError, "layers must be an array"),
     ("unknown format", request("get", format="fp32"), InvalidArgument, "format must be one of fp16, pages"),
     ("format is int", request("get", format=1), ProtocolError, "format must be a string"),
-    ("packed fp16", request("get", packed=True), InvalidArgument, "packed applies to format pages only"),
     ("packed is 1", request("get", format="pages", packed=1), ProtocolError, "packed must be a boolean"),
     # explain
     ("negative layer", request("explain", layer=-1), InvalidArgument, "layer must be in"),

@@ -40,12 +40,12 @@ def test_the_typed_twin_is_the_fast_path_unless_pure_python_is_asked_for() -> No
 
 
 def get_frames(layers: tuple[int, ...] = (0, 3), start: int = 5, tokens: int = 4, heads: int = 2,
-               dim: int = 8, request_id: int = 41) -> list[Any]:
+               dim: int = 8, request_id: int = 41, packed: bool = False) -> list[Any]:
     shape = (len(layers), tokens, heads, dim)
     keys = RNG.standard_normal(shape).astype(np.float16)
     values = RNG.standard_normal(shape).astype(np.float16)
     reply = p.GetReply(request_id=request_id, start=start, end=start + tokens, layers=layers, keys=keys,
-                       values=values)
+                       values=values, packed=keys.tobytes() + values.tobytes() if packed else None)
     return [bytes(f) for f in p.encode_reply(reply)]
 
 
@@ -91,6 +91,8 @@ VALID = [
     pytest.param(get_frames(), id="get"),
     pytest.param(get_frames(layers=(7,), start=0, tokens=1, heads=8, dim=128, request_id=2**64 - 1), id="get 1x1"),
     pytest.param(get_frames(layers=(2, 1, 0), start=2**40, tokens=0), id="get no tokens"),
+    pytest.param(get_frames(packed=True), id="get packed"),
+    pytest.param(get_frames(layers=(2, 1, 0), start=7, tokens=0, packed=True), id="get packed no tokens"),
     pytest.param(append_frames(), id="append"),
     pytest.param(append_frames(length=0, request_id=0), id="append 0"),
     pytest.param(append_frames(length=2**63 - 1), id="append max"),
@@ -238,6 +240,11 @@ VALID_REQUESTS = [
     pytest.param(append_request("float32", offset=5, position=64), id="append f32, offset, position"),
     pytest.param(append_request("bfloat16", shape=(1, 1, 1, 1), incarnation="inc-1"), id="append bf16"),
     pytest.param(append_request(seq_id=2**63 - 1, offset=0, position=0, incarnation="i" * 1024), id="append most"),
+    pytest.param(get_request(packed=True), id="get packed (1.4)"),
+    pytest.param(get_request(format="pages", packed=True, layers=(1,)), id="get pages packed (1.1)"),
+    pytest.param(append_request(packed=True), id="append packed (1.4)"),
+    pytest.param(append_request("bfloat16", shape=(1, 1, 1, 1), packed=True, offset=2, position=1,
+                                incarnation="inc"), id="append packed, every optional field"),
 ]
 
 
@@ -274,6 +281,25 @@ def _variants(base: list[Any], bad_values: dict[str, list[Any]]) -> list[Any]:
     return out
 
 
+def _packed_get_variants() -> list[Any]:
+    """A packed get reply (protocol 1.4) changed: its header as a request's is, its one frame of keys, values."""
+    base = get_frames(packed=True)
+    raw = base[0]
+    return [*_variants(base, {"packed": [False, None, 1, "true"], "shape": [[2, 4, 2, 4], [2, 2, 2, 8]]}),
+            pytest.param([raw, base[1][:-2]], id="short packed frame"),
+            pytest.param([raw, base[1] + b"\x00\x00"], id="long packed frame"),
+            pytest.param([raw, base[1][:256], base[1][256:]], id="packed in two frames"),
+            pytest.param([raw, bytearray(base[1])], id="bytearray packed frame"),
+            pytest.param([raw, memoryview(base[1]).cast("H")], id="uint16 view packed frame"),
+            pytest.param([raw, strided(base[1])], id="strided packed view"),
+            pytest.param([with_header(base, packed=DROP)[0], base[1]], id="two frames, not packed")]
+
+
+@pytest.mark.parametrize("frames", _packed_get_variants())
+def test_a_broken_packed_reply_gets_the_generic_decoders_answer(frames: Any) -> None:
+    assert outcome(p.decode_reply, frames) == outcome(p._decode_reply, frames)
+
+
 _TEXT_AND_IDS: dict[str, list[Any]] = {
     "v": [2, True, "1", None],
     "id": [-1, True, "12", None, 1.5],
@@ -300,7 +326,9 @@ APPEND_VARIANTS = _variants(append_request(position=4, incarnation="abc"), {
     "dtype": ["float64", "bfloat16", "float32", None, 16],
     "shape": [[2, 3, 2], [2, 3, 2, 0], [0, 3, 2, 8], [2, 0, 2, 8], [2, 3, 2, 9], [True, 3, 2, 8], [2, 3, 2, 2**31],
               "x", None, [2.0, 3, 2, 8]],
-}) + _variants(append_request(), {"position": [0], "incarnation": ["x"]})
+}) + _variants(append_request(), {"position": [0], "incarnation": ["x"]}) + _variants(
+    append_request(packed=True, offset=1), {"packed": [False, None, 1, "true"], "dtype": ["float32"],
+                                            "shape": [[2, 3, 2, 16], [2, 3, 4, 8], [2, 3, 2, 4]]})
 
 
 @pytest.mark.parametrize("frames", GET_VARIANTS + APPEND_VARIANTS)
@@ -322,6 +350,22 @@ def test_a_changed_or_broken_request_gets_the_generic_decoders_answer(frames: An
 ])
 def test_an_append_with_odd_frames_gets_the_generic_decoders_answer(frames: Any) -> None:
     given = frames(append_request())
+    assert outcome(p.decode_request, given) == outcome(generic_decode, given)
+    assert outcome(p.parse_request, given) == outcome(p._parse_request, given)
+
+
+@pytest.mark.parametrize("frames", [
+    pytest.param(lambda b: [b[0], b[1][:-2]], id="short packed frame"),
+    pytest.param(lambda b: [b[0], b[1] + b"\x00\x00"], id="long packed frame"),
+    pytest.param(lambda b: [b[0], b[1][:192], b[1][192:]], id="packed in two frames"),
+    pytest.param(lambda b: [b[0], bytearray(b[1])], id="bytearray packed frame"),
+    pytest.param(lambda b: [b[0], memoryview(b[1]).cast("H")], id="uint16 view packed frame"),
+    pytest.param(lambda b: [b[0], strided(b[1])], id="strided packed view"),
+    pytest.param(lambda b: b[:1], id="no frame"),
+    pytest.param(lambda b: [with_header(b, shape=[2, 0, 2, 8])[0], b""], id="no tokens, empty frame"),
+])
+def test_a_packed_append_with_odd_frames_gets_the_generic_decoders_answer(frames: Any) -> None:
+    given = frames(append_request(packed=True))
     assert outcome(p.decode_request, given) == outcome(generic_decode, given)
     assert outcome(p.parse_request, given) == outcome(p._parse_request, given)
 
@@ -359,6 +403,10 @@ def _damaged(header: bytes, rng: np.random.Generator) -> bytes:
     pytest.param((get_request(end=8, layers=(0, 2)), p.decode_request, generic_decode), id="get request"),
     pytest.param((append_request(offset=3, position=4, incarnation="abc"), p.decode_request, generic_decode),
                  id="append request"),
+    pytest.param((get_frames(packed=True), p.decode_reply, p._decode_reply), id="packed get reply"),
+    pytest.param((get_request(end=8, packed=True), p.decode_request, generic_decode), id="packed get request"),
+    pytest.param((append_request(offset=3, packed=True), p.decode_request, generic_decode),
+                 id="packed append request"),
 ])
 def test_a_randomly_damaged_header_gets_the_generic_decoders_answer(base: Any) -> None:
     frames, decode, generic = base
@@ -403,6 +451,18 @@ def _messages() -> list[Any]:
         out.append(p.GetRequest(request_id=1, namespace="ns", seq_id="s", layers=tuple(range(n))))
     empty = np.zeros((1, 0, 2, 4), np.float16)
     out.append(p.GetReply(request_id=1, start=7, end=7, layers=(3,), keys=empty, values=empty))
+    # protocol 1.4: packed keys and values (and 1.1's packed pages asked for)
+    for i, n in enumerate(INTS[::3]):
+        out.append(p.GetRequest(request_id=n, namespace="ns", seq_id=n, end=n or None,
+                                format=("fp16", "pages")[i % 2], packed=True))
+        out.append(p.AppendRequest(request_id=n, namespace="ns", seq_id="s", keys=f16, values=f16 + 1,
+                                   offset=None if i % 2 else n, position=None if i % 3 else n,
+                                   incarnation=None if i % 2 else "inc", packed=True))
+        kv = np.arange(2 * (i + 1) * 2 * 8, dtype=np.float16).reshape(2, i + 1, 2, 8)
+        out.append(p.GetReply(request_id=n, start=n - min(n, i + 1), end=n - min(n, i + 1) + i + 1 if n else i + 1,
+                              layers=(0, 1), keys=kv[:, :, :1], values=kv[:, :, 1:],
+                              packed=kv[:, :, :1].tobytes() + kv[:, :, 1:].tobytes()))
+    out.append(p.GetReply(request_id=1, start=7, end=7, layers=(3,), keys=empty, values=empty, packed=b""))
     return out
 
 
@@ -437,8 +497,6 @@ def _declined() -> list[Any]:
     return [
         pytest.param(p.GetRequest(request_id=1, namespace="é", seq_id="s"), id="non-ASCII namespace"),
         pytest.param(p.GetRequest(request_id=1, namespace="ns", seq_id="é"), id="non-ASCII seq id"),
-        pytest.param(p.GetRequest(request_id=1, namespace="ns", seq_id="s", format="pages", packed=True),
-                     id="packed"),
         pytest.param(p.GetRequest(request_id=1, namespace="ns", seq_id="s", layers=tuple(range(65))),
                      id="65 layers"),
         pytest.param(p.AppendRequest(request_id=1, namespace="ns", seq_id="s", keys=f16, values=f16,
