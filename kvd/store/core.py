@@ -552,22 +552,36 @@ class Store(Compaction, Eviction):
         layers: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Tokens ``[start, end)`` (``end`` None = the length) of ``layers`` (None = all, in order) as float16
-        ``(keys, values)`` ``[L', end - start, H, D]``. Raises UnknownNamespace, UnknownSequence,
-        InvalidArgument (range, layers), CorruptPage (a damaged page; not expected)."""
+        ``(keys, values)`` ``[L', end - start, H, D]``: the two halves of :meth:`get_packed`'s array (either keeps the
+        whole array alive). Raises
+        UnknownNamespace, UnknownSequence, InvalidArgument (range, layers), CorruptPage (a damaged page; not
+        expected)."""
+        both = self.get_packed(namespace, seq_id, start, end, layers)
+        return both[0], both[1]
+
+    def get_packed(
+        self,
+        namespace: str,
+        seq_id: SeqId,
+        start: int = 0,
+        end: int | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """Like :meth:`get`, with keys and values in one new C-contiguous float16 array ``[2, L', end - start, H,
+        D]``: keys ``[0]``, values ``[1]``, so that a server sends both as one frame (docs/protocol.md §6.5)."""
         with self._lock:
             seq = self._sequence(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, layers)
             self._seqs.move_to_end(seq.key)
             self._gets += 1
             ns = seq.ns
-            keys = buffers.empty_f16((len(lay), e - s, ns.heads, ns.head_dim))
-            values = buffers.empty_f16(keys.shape)
-            if 2 * keys.nbytes < UNLOCKED_MIN_BYTES:
-                store_seq.read_into(seq, s, e, lay, self.page_tokens, keys, values)
-                return keys, values
+            both = buffers.empty_f16((2, len(lay), e - s, ns.heads, ns.head_dim))
+            if both.nbytes < UNLOCKED_MIN_BYTES:
+                store_seq.read_into(seq, s, e, lay, self.page_tokens, both[0], both[1])
+                return both
             view = self._view(seq, e)
-        self._unlocked_read(store_seq.read_into, view, s, e, lay, self.page_tokens, keys, values)
-        return keys, values
+        self._unlocked_read(store_seq.read_into, view, s, e, lay, self.page_tokens, both[0], both[1])
+        return both
 
     def get_into(
         self,

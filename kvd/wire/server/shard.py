@@ -259,12 +259,14 @@ class ShardServer(RouterServer):
         if self._routing is not None:
             self._check_owner(req.namespace, req.seq_id)
         store = self._store
-        if req.format == "fp16":
-            keys, values = store.get(req.namespace, req.seq_id, req.start, req.end, req.layers)
-            keys, values = np.ascontiguousarray(keys, np.float16), np.ascontiguousarray(values, np.float16)
+        if req.format == "fp16":  # keys then values in one buffer: one frame when asked and within the limit
+            both = store.get_packed(req.namespace, req.seq_id, req.start, req.end, req.layers)
+            keys = both[0]
             layers = req.layers if req.layers is not None else tuple(range(keys.shape[0]))
+            packed = req.packed and both.nbytes <= self._limits.max_frame_bytes
             return p.GetReply.trusted(request_id=req.request_id, start=req.start, end=req.start + keys.shape[1],
-                                      layers=layers, keys=keys, values=values)
+                                      layers=layers, keys=keys, values=both[1],
+                                      packed=p.tensor_frame(both) if packed else None)
         entries, frames = store.get_pages_packed(req.namespace, req.seq_id, req.start, req.end, req.layers,
                                                  frame_bytes=self._pack_frame_bytes)
         if len(entries) > self._limits.max_pages:
