@@ -43,8 +43,8 @@ from kvd.wire.sockets import (  # COPY_BELOW_BYTES: frames under it are copied w
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "RECYCLE_BYTES", "aggregate_stats", "check_endpoint",
-           "recycle_buffers"]
+__all__ = ["DEFAULT_TIMEOUT_S", "DEFAULT_WINDOW", "PACK_BELOW_BYTES", "RECYCLE_BYTES", "aggregate_stats",
+           "check_endpoint", "recycle_buffers"]
 
 DEFAULT_TIMEOUT_S = 10.0
 CONNECT_GRACE_S = 2.0  # a shard we cannot send to for this long (within a call's timeout) is unavailable
@@ -56,6 +56,10 @@ _ROUTE_BACKOFF_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 # Sequences whose shard incarnation a client remembers (the most recently appended): an append to one of them
 # names that incarnation, so a restarted shard (empty, on any port) refuses to continue it in the middle.
 WRITTEN_ENTRIES = 65536
+# Appends of keys and values together under this many bytes go packed, in one frame, to a 1.4 server: each
+# ZeroMQ frame of 8 KiB or more costs both processes' I/O threads a send and a receive of its own (about 10 us
+# each here), more than copying keys and values into one frame below this size (bench/wire_phases.py).
+PACK_BELOW_BYTES = 256 << 10
 _IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register"})
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -138,7 +142,7 @@ class _Conn:
     """One DEALER to one server, with the replies received for requests still waited for."""
 
     __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "positions",
-                 "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation")
+                 "packs_tensors", "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
         self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
@@ -148,6 +152,7 @@ class _Conn:
         self.packs = False  # the server takes get's packed field (protocol 1.1)
         self.lookups = False  # the server answers lengths (protocol 1.2)
         self.positions = False  # the server takes append's position field (protocol 1.3)
+        self.packs_tensors = False  # the server takes and sends keys and values in one frame (protocol 1.4)
         self.incarnation: str | None = None  # the shard process this connection talks to (protocol 1.3)
         self.waiting: dict[int, Any] = {}  # id -> None (sync: reply not yet in) or a Future (async)
         self.replies: dict[int, Any] = {}
@@ -223,6 +228,7 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
     conn.packs = reply.protocol_minor >= 1
     conn.lookups = reply.protocol_minor >= 2  # the lengths operation
     conn.positions = reply.protocol_minor >= 3  # append's position
+    conn.packs_tensors = reply.protocol_minor >= 4  # packed fp16 tensors (append, fp16 get reply)
     conn.incarnation = reply.incarnation  # protocol 1.3: appends on this connection name this process
 
 
@@ -294,18 +300,30 @@ def _renumber(req: Any, rid: int) -> Any:
 
 
 def _on_wire(conn: _Conn, req: Any) -> Any:
-    """``req`` as sent on ``conn``: a pages get asks for packed pages (fewer frames) from a server that speaks
-    protocol 1.1 (docs/protocol.md §6.5); an append names the shard incarnation the connection's hello found
-    (protocol 1.3, §6.4), so a successor on the same port refuses it. The caller's result is the same. An
+    """``req`` as sent on ``conn``. A get asks for its reply packed (fewer frames, docs/protocol.md §6.5) where
+    the server speaks it: pages from protocol 1.1, fp16 keys and values from 1.4 (the client's gets ask for it
+    from the start, and it is taken out here for an older server). An append under ``PACK_BELOW_BYTES`` (and
+    within the frame limit) goes packed to a 1.4 server (§6.4), and names the shard incarnation the connection's
+    hello found (protocol 1.3), so a successor on the same port refuses it. The caller's result is the same. An
     append's ``position`` is left out for a server older than 1.3: it only spares pages the sink protection, so
     such a server stores the tokens the same, at most with one more fp16 page."""
-    if conn.packs and type(req) is p.GetRequest and req.format == "pages" and not req.packed:
-        return _replace(req, packed=True)
-    if not conn.positions and type(req) is p.AppendRequest and req.position is not None:
-        req = _replace(req, position=None)
-    if conn.incarnation is not None and type(req) is p.AppendRequest and req.incarnation is None:
-        req = _replace(req, incarnation=conn.incarnation)
-    return req
+    kind = type(req)
+    if kind is p.GetRequest:
+        if req.packed != (conn.packs if req.format == "pages" else conn.packs_tensors):
+            return _replace(req, packed=not req.packed)
+        return req
+    if kind is not p.AppendRequest:
+        return req
+    changes: dict[str, Any] = {}
+    if not conn.positions and req.position is not None:
+        changes["position"] = None
+    if conn.incarnation is not None and req.incarnation is None:
+        changes["incarnation"] = conn.incarnation
+    if conn.packs_tensors and not req.packed:
+        size = 2 * req.keys.nbytes  # (one frame: it must fit the server's frame limit too)
+        if size < PACK_BELOW_BYTES and size <= conn.limits.max_frame_bytes:
+            changes["packed"] = True
+    return _replace(req, **changes) if changes else req
 
 
 class First:
@@ -667,7 +685,7 @@ class _Core:
                   ) -> Plan:
         def make(rid: int) -> p.GetRequest:
             return p.GetRequest(request_id=rid, namespace=namespace, seq_id=seq_id, start=start, end=end,
-                                layers=None if layers is None else tuple(layers), format=fmt)
+                                layers=None if layers is None else tuple(layers), format=fmt, packed=True)
         try:
             return (yield from self._g_routed(make, namespace, seq_id, timeout_s, first))
         except MessageTooLarge:

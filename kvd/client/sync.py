@@ -285,7 +285,7 @@ class Client(_Core):
         too large for one reply is fetched in parts."""
         first = self._first(p.GetRequest(request_id=next(self._ids), namespace=namespace, seq_id=seq_id,
                                          start=start, end=end, layers=None if layers is None else tuple(layers),
-                                         format=format), namespace, seq_id, timeout_s)
+                                         format=format, packed=True), namespace, seq_id, timeout_s)
         if first is not None and type(first.outcome) is p.GetReply and format == "fp16":  # else the plan says
             return first.outcome.keys, first.outcome.values  # what is wrong (or assembles the pages)
         return self._drive(
@@ -361,7 +361,7 @@ class Client(_Core):
                    timeout_s: float | None = None) -> Pending:
         """Send a get and return at once; :meth:`Pending.result` gives ``(keys, values)``."""
         req = p.GetRequest(request_id=next(self._ids), namespace=namespace, seq_id=seq_id, start=start, end=end,
-                           layers=None if layers is None else tuple(layers), format=format)
+                           layers=None if layers is None else tuple(layers), format=format, packed=True)
         return self._submit(req, namespace, seq_id, timeout_s)
 
     def _many(self, submit: Any, items: Iterable[Sequence[Any]], window: int,

@@ -284,6 +284,62 @@ def test_pages_travel_packed_from_a_1_1_server_and_one_per_frame_otherwise(q4_sh
 
 
 @pytest.mark.timeout(60)
+def test_keys_and_values_travel_packed_in_one_frame_with_a_1_4_server_and_as_two_otherwise(
+        shard: ServerProcess) -> None:
+    k, v = kv(tokens=40, seed=6)
+    with Client(shard.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        (conn,) = c._conns.values()
+        assert conn.packs_tensors and conn.hello is not None and conn.hello.protocol_minor >= 4
+        for packs in (True, False):  # False: how this client talks to a 1.3 server, which never sees packed
+            conn.packs_tensors = packs
+            seq = f"pt-{packs}"
+            assert c.append(NS, seq, k[:, :25], v[:, :25]) == 25
+            assert c.append_nowait(NS, seq, k[:, 25:], v[:, 25:], offset=25).result() == 40
+            for keys, values in (c.get(NS, seq), c.get_nowait(NS, seq, 5, 30, layers=[1]).result()):
+                want = slice(None) if keys.shape[0] == 2 else slice(1, 2), slice(None) if keys.shape[1] == 40 \
+                    else slice(5, 30)
+                assert np.array_equal(keys, k[want]) and np.array_equal(values, v[want]), packs
+                assert not np.shares_memory(keys, values)
+    ctx = zmq.Context()
+    sock = raw_dealer(ctx, shard.endpoint)
+    try:  # on the wire: what a client in another language sees
+        for packed in (False, True):
+            req = p.AppendRequest(request_id=1, namespace=NS, seq_id=f"raw-{packed}", keys=k, values=v,
+                                  packed=packed)
+            out = p.encode_request(req)
+            assert len(out) == (2 if packed else 3)
+            sock.send_multipart(out)
+            assert sock.poll(10_000)
+            assert p.decode_reply(sock.recv_multipart()).length == 40
+            sock.send_multipart(p.encode_request(p.GetRequest(request_id=2, namespace=NS, seq_id="raw-False",
+                                                              start=3, end=33, packed=packed)))
+            assert sock.poll(10_000)
+            frames = sock.recv_multipart()
+            assert len(frames) == (2 if packed else 3)
+            assert (b"packed" in frames[0]) is packed
+            assert b"".join(frames[1:]) == k[:, 3:33].tobytes() + v[:, 3:33].tobytes()
+        # the server stored the packed append's tensors, not the frame's halves in some other order
+        sock.send_multipart(p.encode_request(p.GetRequest(request_id=3, namespace=NS, seq_id="raw-True")))
+        assert sock.poll(10_000)
+        got = p.decode_reply(sock.recv_multipart())
+        assert np.array_equal(got.keys, k) and np.array_equal(got.values, v) and got.packed is None
+        # a packed append whose frame does not split into its keys and values is refused by name; nothing stored
+        bad = p.encode_request(p.AppendRequest(request_id=4, namespace=NS, seq_id="raw-bad", keys=k, values=v,
+                                               packed=True))
+        sock.send_multipart([bad[0], bytes(bad[1])[:-2]])
+        assert sock.poll(10_000)
+        err = p.decode_reply(sock.recv_multipart())
+        assert isinstance(err, p.ErrorReply) and err.error == "ProtocolError" and "2 x 5120" in err.message
+        sock.send_multipart(p.encode_request(p.LengthRequest(request_id=5, namespace=NS, seq_id="raw-bad")))
+        assert sock.poll(10_000)
+        assert p.decode_reply(sock.recv_multipart()).error == "UnknownSequence"
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
 def test_offsets_make_appends_conditional(shard: ServerProcess) -> None:
     with Client(shard.endpoint, timeout_s=10) as c:
         c.register(NS, **LAYOUT)
@@ -617,6 +673,26 @@ def test_a_get_too_large_for_one_reply_is_fetched_in_parts() -> None:
                 keys, values = c.get(NS, "big", 3, 47, layers=[1], format=fmt)
                 assert np.array_equal(keys, k[1:, 3:47]) and np.array_equal(values, v[1:, 3:47]), fmt
             assert small.metrics()["errors"] >= 4  # the first attempts were refused, not served partially
+            # 30 tokens: each tensor fits a frame (3840 bytes), both together do not: the server does not pack
+            # them, though asked, and says so; the client reads either form
+            keys, values = c.get(NS, "big", 0, 30)
+            assert np.array_equal(keys, k[:, :30]) and np.array_equal(values, v[:, :30])
+            ctx = zmq.Context()
+            sock = raw_dealer(ctx, small.endpoint)
+            try:
+                sock.send_multipart(p.encode_request(p.GetRequest(request_id=1, namespace=NS, seq_id="big",
+                                                                  end=30, packed=True)))
+                assert sock.poll(10_000)
+                frames = sock.recv_multipart()
+                assert len(frames) == 3 and b"packed" not in frames[0]
+                sock.send_multipart(p.encode_request(p.GetRequest(request_id=2, namespace=NS, seq_id="big",
+                                                                  end=16, packed=True)))
+                assert sock.poll(10_000)
+                frames = sock.recv_multipart()
+                assert len(frames) == 2 and len(frames[1]) == 4096
+            finally:
+                sock.close(0)
+                ctx.term()
     finally:
         small.stop()
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvd.client import core as client_core
-from kvd.client.core import First, _check_hello, _Conn, _Core, _on_wire
+from kvd.client.core import PACK_BELOW_BYTES, First, _check_hello, _Conn, _Core, _on_wire
 from kvd.client.sync import _append_chunks, aggregate_stats
 from kvd.errors import Busy, ConfigError, InvalidArgument, ShardUnavailable, Timeout
 from kvd.wire import protocol as p
@@ -85,8 +85,9 @@ def test_appends_over_the_frame_limit_are_split_along_tokens() -> None:
     assert _append_chunks(keys, values, p.Limits())[0][0] is keys
 
 
-@pytest.mark.parametrize("minor", [0, 1, 7])
-def test_pages_gets_ask_for_packed_pages_only_from_a_server_of_protocol_1_1_or_later(minor: int) -> None:
+@pytest.mark.parametrize("minor", [0, 1, 3, 4, 7])
+def test_gets_ask_for_packed_replies_only_from_a_server_that_speaks_them(minor: int) -> None:
+    """Packed pages from protocol 1.1, packed fp16 keys and values from 1.4; an older server never sees the key."""
     conn = _Conn("tcp://127.0.0.1:1", None, None)
     hello = p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,
                                     shard_id="s", page_tokens=64, protocol_minor=minor)
@@ -95,10 +96,31 @@ def test_pages_gets_ask_for_packed_pages_only_from_a_server_of_protocol_1_1_or_l
     sent = _on_wire(conn, pages)
     assert sent.packed is (minor >= 1) and not pages.packed  # the caller's request is not changed
     assert (sent.request_id, sent.namespace, sent.seq_id, sent.format) == (2, "m", 1, "pages")
-    fp16 = p.GetRequest(request_id=3, namespace="m", seq_id=1)
-    assert _on_wire(conn, fp16) is fp16  # only pages gets are packed
     wire = p.encode_request(sent)
     assert (b"packed" in bytes(wire[0])) is (minor >= 1)  # a 1.0 server never sees the key
+    for asked in (False, True):  # the client's own gets ask for packed fp16 from the start
+        fp16 = p.GetRequest(request_id=3, namespace="m", seq_id=1, packed=asked)
+        sent = _on_wire(conn, fp16)
+        assert sent.packed is (minor >= 4) and fp16.packed is asked
+        assert (sent is fp16) is (asked is (minor >= 4))  # unchanged when nothing is to change
+        assert (b"packed" in bytes(p.encode_request(sent)[0])) is (minor >= 4)
+
+
+@pytest.mark.parametrize("minor", [3, 4])
+def test_small_appends_go_packed_to_a_server_of_protocol_1_4(minor: int) -> None:
+    conn = _Conn("tcp://127.0.0.1:1", None, None)
+    _check_hello(conn, p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,
+                                               shard_id="s", page_tokens=64, protocol_minor=minor), "s")
+    for tokens, packs in ((1, True), (PACK_BELOW_BYTES // 4096 - 1, True), (PACK_BELOW_BYTES // 4096, False)):
+        keys = np.arange(tokens * 8 * 128, dtype=np.float16).reshape(1, tokens, 8, 128)  # 2 KiB a token
+        append = p.AppendRequest(request_id=2, namespace="m", seq_id=1, keys=keys, values=keys + 1)
+        sent = _on_wire(conn, append)
+        assert sent.packed is (packs and minor >= 4) and append.packed is False, tokens
+        frames = p.encode_request(sent)
+        assert len(frames) == (2 if sent.packed else 3)
+        got = p.decode_request([bytes(f) for f in frames])
+        assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == (keys + 1).tobytes()
+        assert _on_wire(conn, sent) is sent  # once is enough: the send path may look again
 
 
 def test_aggregate_stats_of_no_shards() -> None:
@@ -108,13 +130,14 @@ def test_aggregate_stats_of_no_shards() -> None:
 def test_appends_name_the_shard_incarnation_the_hello_found_and_nothing_else_does() -> None:
     conn = _Conn("tcp://127.0.0.1:1", None, None)
     hello = p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,
-                                    shard_id="s", page_tokens=64)
+                                    shard_id="s", page_tokens=64, protocol_minor=3)  # (no packed appends)
     _check_hello(conn, hello, "s")  # a shard that did not say (older than 1.3, or not asked)
     keys = np.zeros((1, 1, 1, 2), np.float16)
     append = p.AppendRequest(request_id=2, namespace="m", seq_id=1, keys=keys, values=keys)
     assert _on_wire(conn, append) is append and b"incarnation" not in bytes(p.encode_request(append)[0])
     _check_hello(conn, p.HelloReply.for_limits(p.Limits(), request_id=3, kvd_version="x", page_format_version=1,
-                                               shard_id="s", page_tokens=64, incarnation="inc-1"), "s")
+                                               shard_id="s", page_tokens=64, incarnation="inc-1",
+                                               protocol_minor=3), "s")
     sent = _on_wire(conn, append)
     assert sent.incarnation == "inc-1" and append.incarnation is None
     assert p.decode_request(p.encode_request(sent)).incarnation == "inc-1"
