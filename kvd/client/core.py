@@ -57,9 +57,11 @@ _ROUTE_BACKOFF_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 # names that incarnation, so a restarted shard (empty, on any port) refuses to continue it in the middle.
 WRITTEN_ENTRIES = 65536
 # Appends of keys and values together under this many bytes go packed, in one frame, to a 1.4 server: each
-# ZeroMQ frame of 8 KiB or more costs both processes' I/O threads a send and a receive of its own (about 10 us
-# each here), more than copying keys and values into one frame below this size (bench/wire_phases.py).
-PACK_BELOW_BYTES = 256 << 10
+# ZeroMQ frame of 8 KiB or more costs both processes' I/O threads a send and a receive of its own, and packing
+# costs the client a copy of both tensors. Measured (bench/wire_phases.py --threads --op append, kvd against
+# kvd 1.3): 64 KiB level one at a time and 10% faster 8 in flight; from 128 KiB the copy makes a lone append
+# 5-9% slower (pipelined ones still gain 6-9%), and a decode step's latency is what an engine waits on.
+PACK_BELOW_BYTES = 128 << 10
 _IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register"})
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
