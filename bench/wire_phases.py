@@ -27,11 +27,14 @@ against kvd appends into a full store, the first two servers):
     kvd          a ShardServer (fp16), kvd.client.Client
     kvd shape    a bare ROUTER loop that answers each get with the encoded frames of a kvd get reply made once,
                  only the request id re-packed (kvd's message shape and client, with almost no server work)
+    kvd 1.3      the same ShardServer, with a client that speaks protocol 1.3: keys and values in two frames, not
+                 packed in one (protocol 1.4), so the difference is what the packed frame saves
     kvd ping     the ShardServer answering pings, one at a time: no data and no store, so the fixed cost of any
                  request in kvd's client and serving loop
 
     python bench/wire_phases.py --threads --tokens 16    # 64 KiB gets
     python bench/wire_phases.py --threads --op append --tokens 256    # 1 MiB appends
+    python bench/wire_phases.py --threads --op append --tokens 128 --pack-below 1048577    # 512 KiB, packed
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
     k, v = wire.kv(tokens)
     batches: dict[tuple[str, int], Any] = {}
     try:
-        for name, (_, endpoint, _) in servers.items():
+        for name, (_, endpoint, _) in [*servers.items(), ("kvd 1.3", servers["kvd"])]:
             if name == "raw zmq":
                 raw = wire.Raw(endpoint)
                 raw.batch(b"P", size, bytes(size), 1)()
@@ -184,6 +187,9 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
                 continue
             client = Client(endpoint, timeout_s=60)
             client.register(wire.NS, num_layers=wire.LAYERS, num_kv_heads=wire.HEADS, head_dim=wire.DIM)
+            if name == "kvd 1.3":  # as a client of protocol 1.3 (this client's one connection was greeted)
+                for conn in client._conns.values():
+                    conn.packs_tensors = False
             if op == "append":
                 for n in (1, 8):
                     batches[name, n] = wire.kvd_batches(client, client, size, n)[0]
@@ -205,7 +211,7 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
             for (name, n), batch in batches.items():
                 for _ in range(50):
                     batch()
-                pid = servers["kvd" if name == "kvd ping" else name][0].pid
+                pid = servers["kvd" if name in ("kvd ping", "kvd 1.3") else name][0].pid
                 s0, c0, t0, done = _thread_cpu(pid), _thread_cpu(me), time.perf_counter(), 0
                 while time.perf_counter() - t0 < seconds / rounds:
                     batch()
@@ -240,7 +246,14 @@ def main() -> int:
                     help="CPU per request of each thread of both processes: raw zmq vs kvd (and, for gets, kvd's "
                          "shape)")
     ap.add_argument("--seconds", type=float, default=15.0, help="with --threads: seconds per server and depth")
+    ap.add_argument("--pack-below", type=int, default=None, metavar="BYTES",
+                    help="the client packs appends of keys and values together under this many bytes (default: "
+                         "kvd.client.core.PACK_BELOW_BYTES): where packing stops paying")
     args = ap.parse_args()
+    if args.pack_below is not None:
+        from kvd.client import core
+
+        core.PACK_BELOW_BYTES = args.pack_below
     if args.threads:
         return threads_only(args.op, args.tokens, args.seconds)
     n = args.requests
