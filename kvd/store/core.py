@@ -552,10 +552,9 @@ class Store(Compaction, Eviction):
         layers: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Tokens ``[start, end)`` (``end`` None = the length) of ``layers`` (None = all, in order) as float16
-        ``(keys, values)`` ``[L', end - start, H, D]``: the two halves of :meth:`get_packed`'s array (either keeps the
-        whole array alive). Raises
-        UnknownNamespace, UnknownSequence, InvalidArgument (range, layers), CorruptPage (a damaged page; not
-        expected)."""
+        ``(keys, values)`` ``[L', end - start, H, D]``: the two halves of :meth:`get_packed`'s array (either keeps
+        the whole array alive). Raises UnknownNamespace, UnknownSequence, InvalidArgument (range, layers),
+        CorruptPage (a damaged page; not expected)."""
         both = self.get_packed(namespace, seq_id, start, end, layers)
         return both[0], both[1]
 

@@ -35,7 +35,7 @@ from kvd.errors import (
 from kvd.store import Store
 from kvd.wire import protocol as p
 from kvd.wire.routing import owner
-from kvd.wire.server import ShardServer, TopologyServer
+from kvd.wire.server import PACK_REPLY_MAX_BYTES, ShardServer, TopologyServer
 
 from scripted_shard import Scripted  # isort: skip  (tests/integration/scripted_shard.py)
 
@@ -324,6 +324,18 @@ def test_keys_and_values_travel_packed_in_one_frame_with_a_1_4_server_and_as_two
         assert sock.poll(10_000)
         got = p.decode_reply(sock.recv_multipart())
         assert np.array_equal(got.keys, k) and np.array_equal(got.values, v) and got.packed is None
+        # a reply over PACK_REPLY_MAX_BYTES goes as two frames, though asked: a large frame moves slower
+        big_k, big_v = kv(tokens=PACK_REPLY_MAX_BYTES // 256 + 1, seed=7)  # 256 bytes a token, both tensors
+        big = p.encode_request(p.AppendRequest(request_id=6, namespace=NS, seq_id="raw-big", keys=big_k,
+                                              values=big_v))
+        sock.send_multipart(big)
+        assert sock.poll(10_000) and p.decode_reply(sock.recv_multipart()).length == big_k.shape[1]
+        for end, packs in ((big_k.shape[1] - 1, True), (None, False)):
+            sock.send_multipart(p.encode_request(p.GetRequest(request_id=7, namespace=NS, seq_id="raw-big",
+                                                              end=end, packed=True)))
+            assert sock.poll(10_000)
+            frames = sock.recv_multipart()
+            assert len(frames) == (2 if packs else 3) and (b"packed" in frames[0]) is packs
         # a packed append whose frame does not split into its keys and values is refused by name; nothing stored
         bad = p.encode_request(p.AppendRequest(request_id=4, namespace=NS, seq_id="raw-bad", keys=k, values=v,
                                                packed=True))

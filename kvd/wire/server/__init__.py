@@ -8,7 +8,13 @@ coordinator's endpoint). Each module's docstring has its part of the theory of o
 
 from kvd.wire.curve import CurveConfig, keygen
 from kvd.wire.server.lane import BULK_NICE, BULK_THREAD_NAME
-from kvd.wire.server.shard import BULK_MIN_BYTES, COMPACT_STEP_BYTES, LOOPBACK_SOCKET_BUFFER_BYTES, ShardServer
+from kvd.wire.server.shard import (
+    BULK_MIN_BYTES,
+    COMPACT_STEP_BYTES,
+    LOOPBACK_SOCKET_BUFFER_BYTES,
+    PACK_REPLY_MAX_BYTES,
+    ShardServer,
+)
 from kvd.wire.server.topology import TopologyServer
 from kvd.wire.sockets import (
     COPY_THRESHOLD_BYTES,
@@ -21,5 +27,6 @@ from kvd.wire.sockets import (
 
 # CurveConfig, keygen, tune_malloc and the frame helpers live in kvd.wire.curve and kvd.wire.sockets (re-exported)
 __all__ = ["BULK_MIN_BYTES", "BULK_NICE", "BULK_THREAD_NAME", "COMPACT_STEP_BYTES", "COPY_THRESHOLD_BYTES",
-           "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "LOOPBACK_SOCKET_BUFFER_BYTES", "CurveConfig",
-           "ShardServer", "TopologyServer", "keygen", "recv_frames", "send_frames", "tune_malloc"]
+           "DEFAULT_HEARTBEAT_IVL_S", "DEFAULT_HEARTBEAT_TIMEOUT_S", "LOOPBACK_SOCKET_BUFFER_BYTES",
+           "PACK_REPLY_MAX_BYTES", "CurveConfig", "ShardServer", "TopologyServer", "keygen", "recv_frames",
+           "send_frames", "tune_malloc"]
