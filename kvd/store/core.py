@@ -559,13 +559,9 @@ class Store(Compaction, Eviction):
         return both[0], both[1]
 
     def get_packed(
-        self,
-        namespace: str,
-        seq_id: SeqId,
-        start: int = 0,
-        end: int | None = None,
+        self, namespace: str, seq_id: SeqId, start: int = 0, end: int | None = None,
         layers: Sequence[int] | None = None,
-    ) -> np.ndarray:
+    ) -> np.ndarray:  # fmt: skip
         """Like :meth:`get`, with keys and values in one new C-contiguous float16 array ``[2, L', end - start, H,
         D]``: keys ``[0]``, values ``[1]``, so that a server sends both as one frame (docs/protocol.md §6.5)."""
         with self._lock:

@@ -446,7 +446,7 @@ class GetReply(_Message):
             )
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        extra = {"format": "fp16", "dtype": self.dtype, "shape": list(self.keys.shape)}
+        extra: dict[str, Any] = {"format": "fp16", "dtype": self.dtype, "shape": list(self.keys.shape)}
         if self.packed is not None:
             extra["packed"] = True
             return extra, [self.packed]
