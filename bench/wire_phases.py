@@ -35,6 +35,12 @@ against kvd appends into a full store, the first two servers):
     python bench/wire_phases.py --threads --tokens 16    # 64 KiB gets
     python bench/wire_phases.py --threads --op append --tokens 256    # 1 MiB appends
     python bench/wire_phases.py --threads --op append --tokens 128 --pack-below 1048577    # 512 KiB, packed
+
+``--frames`` measures what frames cost ZeroMQ's I/O threads, with no kvd code: a raw ROUTER answers each request
+with the same 64 KiB in several shapes (a small header frame, then the bytes as one frame, two or four), and the
+same CPU per thread is read, one request at a time and 8 in flight. What protocol 1.4's packed tensors rest on:
+
+    python bench/wire_phases.py --frames
 """
 
 from __future__ import annotations
@@ -131,6 +137,29 @@ def shape_server(conn: Any) -> None:
         sock.send_multipart([msg[0], *frames], copy=False)
 
 
+FRAME_SHAPES = {  # --frames: 64 KiB of reply as raw pyzmq sends it, after the ROUTER's identity
+    "1 frame (raw get)": [b"ok", bytes(65536)],
+    "header + 1 frame (packed)": [b"h" * 90, bytes(65536)],
+    "header + 2 frames (keys, values)": [b"h" * 90, bytes(32768), bytes(32768)],
+    "header + 4 frames": [b"h" * 90, *[bytes(16384)] * 4],
+}
+
+
+def frame_server(conn: Any, shape: str) -> None:
+    """A raw ROUTER that answers every message with FRAME_SHAPES[shape] (copied into ZeroMQ, as kvd sends frames
+    under 1 MiB)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    conn.send(f"tcp://127.0.0.1:{port}")
+    body = FRAME_SHAPES[shape]
+    while True:
+        msg = sock.recv_multipart(copy=False)
+        sock.send_multipart([msg[0], *body])
+
+
 Threads = dict[int, tuple[str, float]]  # tid -> (thread name, CPU seconds so far)
 
 
@@ -161,6 +190,67 @@ def _split(before: Threads, after: Threads) -> tuple[float, float, float]:
             rest.append(used)
     rest.sort()
     return (rest[-1] if rest else 0.0), io, sum(rest[:-1])
+
+
+def _rounds(batches: dict[tuple[str, int], Any], pids: dict[str, int], seconds: float,
+            rounds: int) -> dict[tuple[str, int], list[tuple[float, ...]]]:
+    """Each batch (``(name, requests in it)`` -> a call) run for ``seconds / rounds`` per round, in alternating
+    rounds: per round, wall time and the CPU of each thread of both processes per request, in us (wall, server
+    app, server ZeroMQ I/O, server other, client app, client ZeroMQ I/O, client other); ``pids``: name -> the
+    server's process."""
+    per: dict[tuple[str, int], list[tuple[float, ...]]] = {key: [] for key in batches}
+    me = os.getpid()
+    for _ in range(rounds):
+        for (name, n), batch in batches.items():
+            for _ in range(50):
+                batch()
+            pid = pids[name]
+            s0, c0, t0, done = _thread_cpu(pid), _thread_cpu(me), time.perf_counter(), 0
+            while time.perf_counter() - t0 < seconds / rounds:
+                batch()
+                done += n
+            wall = time.perf_counter() - t0
+            s_app, s_io, s_other = _split(s0, _thread_cpu(pid))
+            c_app, c_io, c_other = _split(c0, _thread_cpu(me))
+            per[name, n].append(tuple(x / done * 1e6 for x in (wall, s_app, s_io, s_other, c_app, c_io, c_other)))
+    return per
+
+
+def _table(title: str, first: str, per: dict[tuple[str, int], list[tuple[float, ...]]]) -> None:
+    rounds = len(next(iter(per.values())))
+    print(f"{title}, CPU per request by thread (us; medians of {rounds} rounds; the clock ticks at 10 ms, so "
+          "small shares are approximate)")
+    print(f"| {first} | in flight | wall | server app | server ZeroMQ I/O | server other | client app | "
+          "client ZeroMQ I/O | client other | CPU total |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (name, n), rows in per.items():
+        med = [statistics.median(r[j] for r in rows) for j in range(7)]
+        print(f"| {name} | {n} | " + " | ".join(f"{x:.0f}" for x in med) + f" | {sum(med[1:]):.0f} |")
+
+
+def frames_only(seconds: float, rounds: int = 3) -> int:
+    import zmq
+
+    servers = {shape: wire.start(frame_server, shape) for shape in FRAME_SHAPES}
+    ctx = zmq.Context()
+    batches: dict[tuple[str, int], Any] = {}
+    for shape, (_, endpoint, _) in servers.items():
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        for n in (1, 8):
+            def batch(sock: Any = sock, n: int = n) -> None:
+                for _ in range(n):
+                    sock.send(b"G")
+                for _ in range(n):
+                    sock.recv_multipart(copy=False)
+            batches[shape, n] = batch
+    try:
+        per = _rounds(batches, {shape: proc.pid for shape, (proc, _, _) in servers.items()}, seconds, rounds)
+    finally:
+        for proc, _, _ in servers.values():
+            proc.kill()
+    _table("raw pyzmq: 64 KiB of reply in several shapes", "reply after the identity", per)
+    return 0
 
 
 def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
@@ -205,33 +295,13 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
                 batches[name, n] = batch
             if name == "kvd":  # no data and no store: what any request costs both processes
                 batches["kvd ping", 1] = client.ping
-        per: dict[tuple[str, int], list[tuple[float, ...]]] = {key: [] for key in batches}
-        me = os.getpid()
-        for _ in range(rounds):
-            for (name, n), batch in batches.items():
-                for _ in range(50):
-                    batch()
-                pid = servers["kvd" if name in ("kvd ping", "kvd 1.3") else name][0].pid
-                s0, c0, t0, done = _thread_cpu(pid), _thread_cpu(me), time.perf_counter(), 0
-                while time.perf_counter() - t0 < seconds / rounds:
-                    batch()
-                    done += n
-                wall = time.perf_counter() - t0
-                s_app, s_io, s_other = _split(s0, _thread_cpu(pid))
-                c_app, c_io, c_other = _split(c0, _thread_cpu(me))
-                per[name, n].append(tuple(x / done * 1e6 for x in (wall, s_app, s_io, s_other, c_app, c_io,
-                                                                   c_other)))
+        pids = {name: proc.pid for name, (proc, _, _) in servers.items()}
+        pids["kvd ping"] = pids["kvd 1.3"] = pids["kvd"]
+        per = _rounds(batches, pids, seconds, rounds)
     finally:
         for proc, _, _ in servers.values():
             proc.kill()
-    print(f"{op}s of {tokens} token(s) ({size >> 10} KiB), CPU per request by thread (us; medians of {rounds} "
-          f"rounds of {seconds / rounds:.1f} s; the clock ticks at 10 ms, so small shares are approximate)")
-    print("| server | in flight | wall | server app | server ZeroMQ I/O | server other | client app | "
-          "client ZeroMQ I/O | client other | CPU total |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (name, n), rows in per.items():
-        med = [statistics.median(r[j] for r in rows) for j in range(7)]
-        print(f"| {name} | {n} | " + " | ".join(f"{x:.0f}" for x in med) + f" | {sum(med[1:]):.0f} |")
+    _table(f"{op}s of {tokens} token(s) ({size >> 10} KiB)", "server", per)
     return 0
 
 
@@ -245,7 +315,10 @@ def main() -> int:
     ap.add_argument("--threads", action="store_true",
                     help="CPU per request of each thread of both processes: raw zmq vs kvd (and, for gets, kvd's "
                          "shape)")
-    ap.add_argument("--seconds", type=float, default=15.0, help="with --threads: seconds per server and depth")
+    ap.add_argument("--frames", action="store_true",
+                    help="CPU per thread of raw pyzmq replies of 64 KiB in 1, 2 and 4 frames (no kvd code)")
+    ap.add_argument("--seconds", type=float, default=15.0,
+                    help="with --threads or --frames: seconds per server and depth")
     ap.add_argument("--pack-below", type=int, default=None, metavar="BYTES",
                     help="the client packs appends of keys and values together under this many bytes (default: "
                          "kvd.client.core.PACK_BELOW_BYTES): where packing stops paying")
@@ -254,6 +327,8 @@ def main() -> int:
         from kvd.client import core
 
         core.PACK_BELOW_BYTES = args.pack_below
+    if args.frames:
+        return frames_only(args.seconds)
     if args.threads:
         return threads_only(args.op, args.tokens, args.seconds)
     n = args.requests
