@@ -38,7 +38,9 @@ raises ShardUnavailable instead of continuing the sequence in the middle on the 
 completed; smaller frames are copied, which costs less than a zero-copy send there). fp16 ``get`` results are
 read-only numpy views of the received frames; ``format="pages"`` results are decoded on the client
 (:func:`kvd.pages.assemble`) into new arrays. Pages travel packed, a few frames per reply, from every shard
-whose ``hello`` reports protocol 1.1 or later, and one frame per page otherwise.
+whose ``hello`` reports protocol 1.1 or later, and one frame per page otherwise. From protocol 1.4, keys and
+values travel in one frame (packed tensors): fp16 ``get`` replies of up to 1 MiB (the two results are then views
+of one frame), and appends under ``PACK_BELOW_BYTES`` (copied into that frame).
 
 Neither client is thread-safe: use one per thread (or per event loop).
 """
