@@ -29,6 +29,8 @@ def int_arg(
     name: str, value: object, lo: int, hi: int | None = None, err: type[KvdError] = InvalidArgument
 ) -> int:
     """``value`` as an int in ``[lo, hi]`` (bools refused), else ``err`` naming ``name`` and the value."""
+    if type(value) is int and value >= lo and (hi is None or value <= hi):  # the usual case, without the ABC check
+        return value
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise err(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     v = int(value)
@@ -53,6 +55,8 @@ def int_tuple(name: str, values: Iterable[object]) -> tuple[int, ...]:
 def seq_id_arg(seq_id: object) -> SeqId:
     """A sequence id: a str or a non-negative int (numpy ints become int; bools are refused)."""
     if isinstance(seq_id, str):
+        return seq_id
+    if type(seq_id) is int and seq_id >= 0:  # the usual int, without the ABC check below
         return seq_id
     if isinstance(seq_id, numbers.Integral) and not isinstance(seq_id, bool) and int(seq_id) >= 0:
         return int(seq_id)

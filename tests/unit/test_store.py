@@ -619,11 +619,18 @@ def test_unknown_names_and_ranges_raise_clear_errors() -> None:
         ((0, None, []), "empty"),
         ((0, None, "0"), "layers"),
         ((1.0,), "1.0"),
+        ((True,), "start must be an integer, got bool"),
+        ((0, False), "end must be an integer, got bool"),
+        ((0, None, [True]), "layer must be an integer, got bool"),
     ]:
         with pytest.raises(InvalidArgument, match=match):
             s.get(NS, 1, *args)
         with pytest.raises(InvalidArgument, match=match):
             s.get_pages(NS, 1, *args)
+    # numpy ints are ints
+    want = s.get(NS, 1, 5, 9, [1])
+    got = s.get(NS, 1, np.int64(5), np.int32(9), [np.uint8(1)])
+    assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def test_register_checks_the_layout() -> None:
