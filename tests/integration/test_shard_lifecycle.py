@@ -74,7 +74,8 @@ def test_incarnation_is_told_only_when_asked_and_a_1_2_client_is_served_as_befor
     raw = Raw(server.endpoint)
     try:
         header, reply = raw.ask(p.HelloRequest(request_id=1))
-        assert "incarnation" not in header and reply.protocol_minor == p.PROTOCOL_MINOR >= 3  # a 1.2 decoder reads it
+        # a 1.2 decoder reads it
+        assert "incarnation" not in header and reply.protocol_minor == p.PROTOCOL_MINOR >= 3
         header, reply = raw.ask(p.HelloRequest(request_id=2, incarnation=True))
         assert header["incarnation"] == reply.incarnation == "inc-a"
         # starting: data operations are Busy (not executed) until the cluster's namespaces are known
