@@ -11,8 +11,9 @@ from kvd.store.core import (
     DEFAULT_WINDOW_TOKENS,
     EIGHT_BIT_FORMATS,
     PACK_FRAME_BYTES,
+    ReadTooLarge,
     Store,
 )
 
 __all__ = ["DEFAULT_PAGE_TOKENS", "DEFAULT_SINK_TOKENS", "DEFAULT_WINDOW_TOKENS", "EIGHT_BIT_FORMATS",
-           "PACK_FRAME_BYTES", "Store"]
+           "PACK_FRAME_BYTES", "ReadTooLarge", "Store"]

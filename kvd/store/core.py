@@ -110,7 +110,7 @@ from kvd.store.sequences import (
 )
 
 __all__ = ["Store", "EIGHT_BIT_FORMATS", "PACK_FRAME_BYTES", "DEFAULT_PAGE_TOKENS", "DEFAULT_SINK_TOKENS",
-           "DEFAULT_WINDOW_TOKENS"]
+           "DEFAULT_WINDOW_TOKENS", "ReadTooLarge"]
 
 DEFAULT_PAGE_TOKENS = 64
 DEFAULT_SINK_TOKENS = 4
@@ -128,6 +128,15 @@ def _fp16_bytes(ns: Namespace, layers: int, tokens: int) -> int:
 
 class _InFlight(Exception):
     """(Internal) an append must make room while other appends are in flight: wait for them, plan again."""
+
+
+class ReadTooLarge(Exception):
+    """A read given ``max_bytes`` would return more (float16 keys and values): nothing was read, and the read did
+    not count as a use. A server's loop reads this way, and hands a large read to its bulk lane instead."""
+
+    def __init__(self, nbytes: int, max_bytes: int) -> None:
+        super().__init__(f"the read returns {nbytes} bytes, over {max_bytes}")
+        self.nbytes = nbytes
 
 
 class Store(Compaction, Eviction):
@@ -560,16 +569,19 @@ class Store(Compaction, Eviction):
 
     def get_packed(
         self, namespace: str, seq_id: SeqId, start: int = 0, end: int | None = None,
-        layers: Sequence[int] | None = None,
+        layers: Sequence[int] | None = None, *, max_bytes: int | None = None,
     ) -> np.ndarray:  # fmt: skip
         """Like :meth:`get`, with keys and values in one new C-contiguous float16 array ``[2, L', end - start, H,
-        D]``: keys ``[0]``, values ``[1]``, so that a server sends both as one frame (docs/protocol.md §6.5)."""
+        D]``: keys ``[0]``, values ``[1]``, so that a server sends both as one frame (docs/protocol.md §6.5).
+        ``max_bytes``: raise :class:`ReadTooLarge` instead of reading more than that."""
         with self._lock:
             seq = self._sequence(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, layers)
+            ns = seq.ns
+            if max_bytes is not None and _fp16_bytes(ns, len(lay), e - s) > max_bytes:
+                raise ReadTooLarge(_fp16_bytes(ns, len(lay), e - s), max_bytes)  # (before it counts as a use)
             self._seqs.move_to_end(seq.key)
             self._gets += 1
-            ns = seq.ns
             both = buffers.empty_f16((2, len(lay), e - s, ns.heads, ns.head_dim))
             if both.nbytes < UNLOCKED_MIN_BYTES:
                 store_seq.read_into(seq, s, e, lay, self.page_tokens, both[0], both[1])
@@ -635,18 +647,23 @@ class Store(Compaction, Eviction):
         layers: Sequence[int] | None = None,
         *,
         frame_bytes: int = PACK_FRAME_BYTES,
+        max_bytes: int | None = None,
     ) -> tuple[list[tuple[int, int, memoryview, memoryview]], list[memoryview]]:
         """:meth:`get_pages`' entries and the buffers their pages are views of: whole pages back to back, in
         entry order (key page, value page), at most ``frame_bytes`` per buffer unless one page alone is larger.
-        The buffers are a packed pages reply's frames (docs/protocol.md §6.5)."""
+        The buffers are a packed pages reply's frames (docs/protocol.md §6.5). ``max_bytes``: raise
+        :class:`ReadTooLarge` instead of reading a range whose float16 keys and values are more than that."""
         frame_bytes = int_arg("frame_bytes", frame_bytes, 1)
         with self._lock:
             seq = self._sequence(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, layers)
+            ns = seq.ns
+            fp16 = _fp16_bytes(ns, len(lay), e - s)
+            if max_bytes is not None and fp16 > max_bytes:
+                raise ReadTooLarge(fp16, max_bytes)
             self._seqs.move_to_end(seq.key)
             self._gets += 1
-            ns = seq.ns
-            if _fp16_bytes(ns, len(lay), e - s) < UNLOCKED_MIN_BYTES:
+            if fp16 < UNLOCKED_MIN_BYTES:
                 return store_seq.page_entries(seq, s, e, lay, self.page_tokens, frame_bytes)
             view = self._view(seq, e)
         return self._unlocked_read(store_seq.page_entries, view, s, e, lay, self.page_tokens, frame_bytes)
@@ -664,20 +681,6 @@ class Store(Compaction, Eviction):
         finally:
             with self._lock:
                 self._readers -= 1
-
-    def read_bytes(
-        self, namespace: str, seq_id: SeqId, start: int = 0, end: int | None = None,
-        layers: Sequence[int] | None = None,
-    ) -> int:  # fmt: skip
-        """The bytes of float16 keys and values a read of this range returns; 0 if the read would raise (it
-        then raises when made). Cheap: no page is touched, and it is not a use (LRU order does not change)."""
-        with self._lock:
-            try:
-                seq = self._sequence(namespace, seq_id)
-                s, e, lay = store_seq.check_range(seq, start, end, layers)
-            except (UnknownNamespace, UnknownSequence, InvalidArgument):
-                return 0
-            return _fp16_bytes(seq.ns, len(lay), e - s)
 
     def length(self, namespace: str, seq_id: SeqId) -> int:
         """Tokens stored for the sequence. Raises UnknownNamespace / UnknownSequence."""

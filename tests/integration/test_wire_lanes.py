@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from kvd.client import Client
-from kvd.errors import Busy, ConfigError
+from kvd.errors import Busy, ConfigError, KvdError
 from kvd.store import Store
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
@@ -146,6 +146,44 @@ def test_a_large_read_does_not_hold_small_requests(server: ShardServer, monkeypa
             assert other.drop(NS, "big")  # the read in flight keeps what it started with
         np.testing.assert_array_equal(out[0][0], k)
         np.testing.assert_array_equal(out[0][1], v)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "pages"])
+def test_a_read_goes_to_the_bulk_lane_from_its_size_only(server: ShardServer, fmt: str) -> None:
+    """The loop sends a get to the bulk lane when its range decodes to BULK_MIN_BYTES or more, in either format,
+    and runs a smaller one itself: the store tells as it looks the range up, before reading."""
+    per_token = TOKEN_BYTES  # fp16 keys and values of a token, every layer
+    tokens = BULK_MIN_BYTES // per_token
+    k, v = kv(tokens + 1, 8)
+    with Client(server.endpoint, timeout_s=WAIT_S) as c:
+        c.append(NS, "edge", k, v)
+        for end, bulk in ((tokens - 1, False), (tokens, True), (None, True), (1, False)):
+            before = server.metrics()["bulk_requests"]
+            got = c.get(NS, "edge", 0, end, format=fmt)
+            if fmt == "fp16":
+                np.testing.assert_array_equal(got[0], k[:, :end])
+            assert server.metrics()["bulk_requests"] - before == bulk, (end, bulk)
+
+
+def test_a_request_the_bulk_lane_is_told_to_hand_on_gets_an_error_reply(server: ShardServer,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """ToBulkLane raised on the bulk lane itself (a bug: only the loop may hand a request on) costs that request
+    an internal error reply, never the lane: the next large request is served."""
+    k, v = kv(BIG, 9)
+    with Client(server.endpoint, timeout_s=WAIT_S) as c:
+        c.append(NS, "big", k, v)
+        execute = server._execute
+
+        def always_on(req: Any) -> Any:
+            if isinstance(req, p.GetRequest) and req.seq_id == "big":
+                raise loop.ToBulkLane
+            return execute(req)
+
+        monkeypatch.setattr(server, "_execute", always_on)
+        with pytest.raises(KvdError, match="ToBulkLane|internal"):
+            c.get(NS, "big")
+        monkeypatch.setattr(server, "_execute", execute)
+        np.testing.assert_array_equal(c.get(NS, "big")[0], k)
 
 
 def test_requests_of_one_connection_run_in_the_order_sent(server: ShardServer,

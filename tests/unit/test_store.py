@@ -21,7 +21,7 @@ from kvd.errors import (
 )
 from kvd.evaluate import attention, sample_path
 from kvd.policy import Level
-from kvd.store import Store
+from kvd.store import ReadTooLarge, Store
 
 NS = "m"
 MiB = 1 << 20
@@ -631,6 +631,26 @@ def test_unknown_names_and_ranges_raise_clear_errors() -> None:
     want = s.get(NS, 1, 5, 9, [1])
     got = s.get(NS, 1, np.int64(5), np.int32(9), [np.uint8(1)])
     assert all(np.array_equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_a_read_over_max_bytes_is_refused_before_it_reads_or_counts_as_a_use() -> None:
+    s = store()  # 2 layers x 3 heads x 64 dims: 1536 bytes of keys and values a token
+    k, v = kv(2, 10, 3, 64)
+    s.append(NS, "a", k, v)
+    s.append(NS, "b", k, v)  # the most recently used
+    gets = s.stats()["gets"]
+    for read in (lambda m: s.get_packed(NS, "a", 2, None, None, max_bytes=m),
+                 lambda m: s.get_pages_packed(NS, "a", 2, None, None, max_bytes=m)):
+        with pytest.raises(ReadTooLarge) as info:
+            read(8 * 1536 - 1)
+        assert info.value.nbytes == 8 * 1536
+        assert s.stats()["gets"] == gets and list(s._seqs)[-1] == (NS, "b")  # not a use: LRU order unchanged
+        read(8 * 1536)  # exactly the limit: read
+        gets += 1
+        assert s.stats()["gets"] == gets and list(s._seqs)[-1] == (NS, "a")
+        s.get(NS, "b")
+        gets += 1
+    np.testing.assert_array_equal(s.get_packed(NS, "a", 2, max_bytes=8 * 1536)[0], k[:, 2:])
 
 
 def test_register_checks_the_layout() -> None:

@@ -36,10 +36,11 @@ _POLLIN, _DONTWAIT = int(zmq.POLLIN), int(zmq.DONTWAIT)
 
 
 class BulkLane:
-    """A shard's second serving thread: runs the requests the loop's ``_is_bulk`` picks, in the order submitted,
-    and the store's compaction when it has none. The loop submits ``(ident, request, frames, size,
-    fd)``; the lane appends ``(ident, reply frames, size, fd, is_error)`` to :attr:`done` and wakes the loop
-    through an inproc PAIR socket (ZeroMQ sockets stay with the threads that use them)."""
+    """A shard's second serving thread: runs the requests the loop hands it (those ``_is_bulk`` picks, and reads
+    the store finds large as they run: ``ToBulkLane``) in the order submitted, and the store's compaction when it
+    has none. The loop submits ``(ident, request, frames, size, fd)``; the lane appends ``(ident, reply frames,
+    size, fd, is_error)`` to :attr:`done` and wakes the loop through an inproc PAIR socket (ZeroMQ sockets stay
+    with the threads that use them)."""
 
     def __init__(self, ctx: zmq.Context[Any], reply: Callable[[Any], tuple[list[p.Frame], bool]],
                  idle: Callable[[], bool], *, compact_every: int, tick_s: float, name: str) -> None:

@@ -66,7 +66,7 @@ from kvd.wire.server.lane import BulkLane
 from kvd.wire.sockets import HANDSHAKE_TIMEOUT_S, ConnectionGuard, recv_frames, send_frames, socket_buffer_cap
 
 __all__ = ["DEFAULT_HWM", "DEFAULT_LINGER_S", "DEFAULT_MAX_QUEUED_BYTES", "DEFAULT_MAX_QUEUED_REQUESTS",
-           "IDLE_TICK_S", "MIN_SOCKET_BUFFER_BYTES", "RouterServer"]
+           "IDLE_TICK_S", "MIN_SOCKET_BUFFER_BYTES", "RouterServer", "ToBulkLane"]
 
 log = logging.getLogger("kvd.wire.server")
 
@@ -126,6 +126,11 @@ class _Metrics:
                 "queue_peak": self.queue_peak, "compactions": self.compactions,
                 "compacted_bytes": self.compacted_bytes, "uptime_s": round(time.monotonic() - self.started, 3)}
 
+
+
+class ToBulkLane(Exception):
+    """Raised by a server's ``_execute`` on the loop thread for a request to run on the bulk lane instead; nothing
+    was done for it yet. The loop hands the request to the lane as if ``_is_bulk`` had said so."""
 
 
 class RouterServer:
@@ -188,6 +193,7 @@ class RouterServer:
         self._lane: BulkLane | None = None  # a shard's bulk lane (started by _main when _wants_lane)
         self._bulk_owed: dict[bytes, int] = {}  # connection -> its requests on the bulk lane (loop thread only)
         self._bulk_pending = 0
+        self._loop_thread = -1  # the serving thread's id (threading.get_ident()), once it runs
 
     # -------------------------------------------------------------------------------------------- lifecycle
 
@@ -300,6 +306,7 @@ class RouterServer:
         return sock
 
     def _main(self) -> None:
+        self._loop_thread = threading.get_ident()
         ctx: zmq.Context[Any] = zmq.Context(io_threads=self._IO_THREADS)
         self._ctx = ctx
         auth: ThreadAuthenticator | None = None
@@ -480,32 +487,50 @@ class RouterServer:
             return p.encode_reply(req)
         lane = self._lane
         if lane is not None and (ident in self._bulk_owed or self._is_bulk(req, size)):
-            self._bulk_owed[ident] = self._bulk_owed.get(ident, 0) + 1
-            self._bulk_pending += 1
-            self._metrics.bulk_requests += 1
-            lane.submit((ident, req, frames, size, fd))
+            self._to_lane(lane, ident, req, frames, size, fd)
             return None
-        reply, error = self._reply(req)
+        try:
+            reply, error = self._reply(req)
+        except ToBulkLane:  # found large only as it ran, before anything was done (_reply: only with a lane)
+            assert lane is not None
+            self._to_lane(lane, ident, req, frames, size, fd)
+            return None
         if error:
             self._metrics.errors += 1
         return reply
 
+    def _to_lane(self, lane: BulkLane, ident: bytes, req: Any, frames: list[zmq.Frame], size: int,
+                 fd: int) -> None:
+        self._bulk_owed[ident] = self._bulk_owed.get(ident, 0) + 1
+        self._bulk_pending += 1
+        self._metrics.bulk_requests += 1
+        lane.submit((ident, req, frames, size, fd))
+
     def _reply(self, req: Any) -> tuple[list[p.Frame], bool]:
-        """Execute a parsed request and encode its reply: ``(frames, whether it is an error reply)``. Never
-        raises; runs on either lane."""
+        """Execute a parsed request and encode its reply: ``(frames, whether it is an error reply)``. Runs on
+        either lane; raises only :class:`ToBulkLane`, on the loop thread of a server with a bulk lane (anywhere
+        else it is a bug, and the request's reply says so)."""
         try:
             return p.encode_reply(self._execute(req), self._limits), False
         except KvdError as exc:
             return p.encode_reply(p.error_reply(req.request_id, exc)), True
         except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
-            log.exception("%s: internal error on %s", self._NAME, type(req).__name__)
+            if isinstance(exc, ToBulkLane) and self._lane is not None and self._on_loop():
+                raise
+            log.exception("%s: internal error on %s", self._NAME, type(req).__name__)  # (on the lane too)
             return p.encode_reply(p.error_reply(req.request_id, exc)), True
 
     _wants_lane = False  # a bulk lane for this server (ShardServer)
 
     def _is_bulk(self, req: Any, size: int) -> bool:
-        """Whether a request runs on the bulk lane (see the module docstring)."""
+        """Whether a request runs on the bulk lane, known before it runs (see the module docstring). One found
+        large only as it runs (a read: the store knows its size) makes :meth:`_execute` raise :class:`ToBulkLane`
+        on the loop thread instead."""
         return False
+
+    def _on_loop(self) -> bool:
+        """Whether the calling thread is the serving loop's (not the bulk lane's)."""
+        return threading.get_ident() == self._loop_thread
 
     def _send(self, sock: zmq.Socket[Any], ident: bytes, frames: list[p.Frame], fd: int) -> None:
         guard = self._guard

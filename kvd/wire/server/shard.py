@@ -18,7 +18,7 @@ import numpy as np
 
 from kvd.codec import pages
 from kvd.errors import Busy, ConfigError, Conflict, MessageTooLarge, ProtocolError, UnknownSequence, WrongShard
-from kvd.store.core import PACK_FRAME_BYTES, Store
+from kvd.store.core import PACK_FRAME_BYTES, ReadTooLarge, Store
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
 from kvd.wire.routing import Router
@@ -28,6 +28,7 @@ from kvd.wire.server.loop import (
     DEFAULT_MAX_QUEUED_BYTES,
     DEFAULT_MAX_QUEUED_REQUESTS,
     RouterServer,
+    ToBulkLane,
 )
 from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, is_loopback, tune_malloc
 
@@ -172,10 +173,7 @@ class ShardServer(RouterServer):
         kind = type(req)
         if kind is p.AppendRequest:
             return size >= BULK_MIN_BYTES
-        if kind is p.GetRequest:
-            return self._store.read_bytes(req.namespace, req.seq_id, req.start, req.end,
-                                          req.layers) >= BULK_MIN_BYTES
-        return kind is p.RegisterRequest  # may wait for the coordinator (on_register)
+        return kind is p.RegisterRequest  # may wait for the coordinator (on_register); large gets: _on_get
 
     def start(self, timeout_s: float = 10.0) -> str:
         if self._recycle_memory:
@@ -264,20 +262,31 @@ class ShardServer(RouterServer):
     def _on_get(self, req: p.GetRequest) -> p.GetReply | p.GetPagesReply:
         if self._routing is not None:
             self._check_owner(req.namespace, req.seq_id)
+        # On the loop, a read of BULK_MIN_BYTES or more goes to the bulk lane: the store says so as it looks the
+        # range up, before reading (one lookup per get, not a size query and then the read).
+        limit = BULK_MIN_BYTES - 1 if self._lane is not None and self._on_loop() else None
+        try:
+            return self._get_fp16(req, limit) if req.format == "fp16" else self._get_pages(req, limit)
+        except ReadTooLarge:
+            raise ToBulkLane from None
+
+    def _get_fp16(self, req: p.GetRequest, limit: int | None) -> p.GetReply:
+        # keys then values in one buffer: one frame when asked, if small enough
+        both = self._store.get_packed(req.namespace, req.seq_id, req.start, req.end, req.layers, max_bytes=limit)
+        keys = both[0]
+        layers = req.layers if req.layers is not None else tuple(range(keys.shape[0]))
+        packed = req.packed and both.nbytes <= self._pack_reply_bytes
+        return p.GetReply.trusted(request_id=req.request_id, start=req.start, end=req.start + keys.shape[1],
+                                  layers=layers, keys=keys, values=both[1],
+                                  packed=p.tensor_frame(both) if packed else None)
+
+    def _get_pages(self, req: p.GetRequest, limit: int | None) -> p.GetPagesReply:
         store = self._store
-        if req.format == "fp16":  # keys then values in one buffer: one frame when asked, if small enough
-            both = store.get_packed(req.namespace, req.seq_id, req.start, req.end, req.layers)
-            keys = both[0]
-            layers = req.layers if req.layers is not None else tuple(range(keys.shape[0]))
-            packed = req.packed and both.nbytes <= self._pack_reply_bytes
-            return p.GetReply.trusted(request_id=req.request_id, start=req.start, end=req.start + keys.shape[1],
-                                      layers=layers, keys=keys, values=both[1],
-                                      packed=p.tensor_frame(both) if packed else None)
         entries, frames = store.get_pages_packed(req.namespace, req.seq_id, req.start, req.end, req.layers,
-                                                 frame_bytes=self._pack_frame_bytes)
+                                                 frame_bytes=self._pack_frame_bytes, max_bytes=limit)
         if len(entries) > self._limits.max_pages:
             raise MessageTooLarge(f"the range needs {len(entries)} pages, more than max_pages "
-                                    f"{self._limits.max_pages}: ask for fewer tokens or layers")
+                                  f"{self._limits.max_pages}: ask for fewer tokens or layers")
         end = req.end if req.end is not None else store.length(req.namespace, req.seq_id)
         layers = req.layers if req.layers is not None else tuple(dict.fromkeys(e[0] for e in entries))
         return p.GetPagesReply.trusted(request_id=req.request_id, start=req.start, end=int(end), layers=layers,
