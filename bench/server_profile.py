@@ -1,11 +1,12 @@
-"""Where a shard's serving loop spends each request, by function: Linux perf, DWARF call graphs.
+"""Where a shard's serving loop (or the client) spends each request, by function: Linux perf, DWARF call graphs.
 
 A ShardServer (fp16, bench/wire.py's server) in another process answers a kvd client's gets or appends, one at a
 time or N in flight. While they run, ``perf record --call-graph dwarf`` samples the server process; the table then
 gives, for each of kvd's functions on the loop thread (and the ZeroMQ and memory calls under them), its inclusive
 share of that thread's samples and what that share is in microseconds of CPU per request (the thread's CPU over
 the window, from /proc, divided by the requests done). Functions run on the bulk lane (requests of 4 MiB and
-more) are not on the loop thread; the ZeroMQ I/O threads' CPU is given as a total.
+more) are not on the loop thread; the ZeroMQ I/O threads' CPU is given as a total. ``--side client`` samples the
+client instead (this process): the thread that makes the calls.
 
 Needs ``perf`` and the right to use it on another process (root, or kernel.perf_event_paranoid <= 1). Compiled
 modules show as their Cython functions; under KVD_PURE_PYTHON=1 the loop shows as the interpreter only.
@@ -13,11 +14,13 @@ modules show as their Cython functions; under KVD_PURE_PYTHON=1 the loop shows a
     python bench/server_profile.py                            # 64 KiB gets, 8 in flight
     python bench/server_profile.py --op append --tokens 256    # 1 MiB appends into a full store
     python bench/server_profile.py --depth 1 --seconds 8
+    python bench/server_profile.py --side client              # the client's calling thread instead (this process)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -78,6 +81,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=6.0, help="length of the sampled window")
     ap.add_argument("--frequency", type=int, default=999, help="perf samples per second")
     ap.add_argument("--top", type=int, default=30, help="rows of the table")
+    ap.add_argument("--side", choices=("server", "client"), default="server",
+                    help="the shard's loop thread, or the client's calling thread (this process)")
     args = ap.parse_args()
     if shutil.which("perf") is None:
         print("perf is not installed (Debian: linux-perf)", file=sys.stderr)
@@ -91,9 +96,10 @@ def main() -> int:
         batch = _drive(client, args.op, args.tokens, args.depth)
         for _ in range(200):
             batch()
-        before, done, t0 = wire_phases._thread_cpu(proc.pid), 0, time.perf_counter()
+        pid = proc.pid if args.side == "server" else os.getpid()
+        before, done, t0 = wire_phases._thread_cpu(pid), 0, time.perf_counter()
         perf = subprocess.Popen(["perf", "record", "-q", "-F", str(args.frequency), "--call-graph", "dwarf,16384",
-                                 "-p", str(proc.pid), "-o", str(data), "--", "sleep", str(args.seconds)],
+                                 "-p", str(pid), "-o", str(data), "--", "sleep", str(args.seconds)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         stop = threading.Event()
         threading.Thread(target=lambda: (perf.wait(), stop.set()), daemon=True).start()
@@ -101,7 +107,7 @@ def main() -> int:
             batch()
             done += args.depth
         wall = time.perf_counter() - t0
-        after = wire_phases._thread_cpu(proc.pid)
+        after = wire_phases._thread_cpu(pid)
         if perf.returncode:
             print(f"perf record failed: {perf.stderr.read().decode() if perf.stderr else ''}", file=sys.stderr)
             return 2
@@ -109,11 +115,13 @@ def main() -> int:
         proc.kill()
     used = {tid: cpu - before.get(tid, (name, 0.0))[1] for tid, (name, cpu) in after.items()}
     io = sum(u for tid, u in used.items() if after[tid][0].startswith("ZMQbg/IO"))
-    loop_tid = max((tid for tid in used if not after[tid][0].startswith("ZMQbg/")), key=lambda t: used[t])
-    per_request = used[loop_tid] / done * 1e6
-    # inclusive shares (--children) of the loop thread's own samples (--percentage relative)
+    # the serving loop: the shard's busiest thread that is not ZeroMQ's; the client's: this process's main thread
+    tid = pid if args.side == "client" else \
+        max((t for t in used if not after[t][0].startswith("ZMQbg/")), key=lambda t: used[t])
+    per_request = used[tid] / done * 1e6
+    # inclusive shares (--children) of that thread's own samples (--percentage relative)
     report = subprocess.run(["perf", "report", "-i", str(data), "--children", "--percentage", "relative", "--tid",
-                             str(loop_tid), "--sort", "sym", "-g", "none", "--stdio"],
+                             str(tid), "--sort", "sym", "-g", "none", "--stdio"],
                             capture_output=True, text=True, check=True).stdout
     rows: dict[str, float] = {}
     for line in report.splitlines():
@@ -125,10 +133,11 @@ def main() -> int:
         if name is not None and name not in rows:  # (a function inlined into its wrapper is listed twice)
             rows[name] = share
     shutil.rmtree(data.parent, ignore_errors=True)
+    thread = "loop thread" if args.side == "server" else "calling thread"
     print(f"{args.op}s of {args.tokens} token(s) ({args.tokens * wire.TOKEN_BYTES >> 10} KiB), {args.depth} in "
-          f"flight: {done} requests in {wall:.1f} s, {wall / done * 1e6:.0f} us each; server CPU per request: "
-          f"loop thread {per_request:.0f} us, ZeroMQ I/O threads {io / done * 1e6:.0f} us")
-    print("| function (loop thread, inclusive) | share of the thread | us per request |")
+          f"flight: {done} requests in {wall:.1f} s, {wall / done * 1e6:.0f} us each; {args.side} CPU per "
+          f"request: {thread} {per_request:.0f} us, ZeroMQ I/O threads {io / done * 1e6:.0f} us")
+    print(f"| function ({thread}, inclusive) | share of the thread | us per request |")
     print("|---|---|---|")
     for name, share in sorted(rows.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"| {name} | {share:.1f}% | {share / 100 * per_request:.1f} |")

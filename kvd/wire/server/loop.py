@@ -127,7 +127,6 @@ class _Metrics:
                 "compacted_bytes": self.compacted_bytes, "uptime_s": round(time.monotonic() - self.started, 3)}
 
 
-
 class ToBulkLane(Exception):
     """Raised by a server's ``_execute`` on the loop thread for a request to run on the bulk lane instead; nothing
     was done for it yet. The loop hands the request to the lane as if ``_is_bulk`` had said so."""
