@@ -152,8 +152,7 @@ def test_a_large_read_does_not_hold_small_requests(server: ShardServer, monkeypa
 def test_a_read_goes_to_the_bulk_lane_from_its_size_only(server: ShardServer, fmt: str) -> None:
     """The loop sends a get to the bulk lane when its range decodes to BULK_MIN_BYTES or more, in either format,
     and runs a smaller one itself: the store tells as it looks the range up, before reading."""
-    per_token = TOKEN_BYTES  # fp16 keys and values of a token, every layer
-    tokens = BULK_MIN_BYTES // per_token
+    tokens = BULK_MIN_BYTES // TOKEN_BYTES  # the fewest tokens whose keys and values are BULK_MIN_BYTES
     k, v = kv(tokens + 1, 8)
     with Client(server.endpoint, timeout_s=WAIT_S) as c:
         c.append(NS, "edge", k, v)
