@@ -578,12 +578,13 @@ class Store(Compaction, Eviction):
             seq = self._sequence(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, layers)
             ns = seq.ns
-            if max_bytes is not None and _fp16_bytes(ns, len(lay), e - s) > max_bytes:
-                raise ReadTooLarge(_fp16_bytes(ns, len(lay), e - s), max_bytes)  # (before it counts as a use)
+            fp16 = _fp16_bytes(ns, len(lay), e - s)
+            if max_bytes is not None and fp16 > max_bytes:
+                raise ReadTooLarge(fp16, max_bytes)  # (before it counts as a use)
             self._seqs.move_to_end(seq.key)
             self._gets += 1
             both = buffers.empty_f16((2, len(lay), e - s, ns.heads, ns.head_dim))
-            if both.nbytes < UNLOCKED_MIN_BYTES:
+            if fp16 < UNLOCKED_MIN_BYTES:
                 store_seq.read_into(seq, s, e, lay, self.page_tokens, both[0], both[1])
                 return both
             view = self._view(seq, e)
