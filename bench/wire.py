@@ -8,6 +8,7 @@ and Mooncake Store (issues 4 and 19).
     python bench/wire.py --codec    # only the sans-IO codec's calls for small gets and appends, tight loops
     python bench/wire.py --copy     # only what one frame costs sent copied vs zero-copy (raw pyzmq)
     python bench/wire.py --packed   # pages of a 32-layer 7B-class sequence: packed (1.1) vs a frame per page (1.0)
+    python bench/wire.py --socket-buffer 0   # also kvd with the system's autotuned socket buffers, same run
 
 For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in flight, median GB/s of payload:
 
@@ -21,6 +22,10 @@ For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in f
 * **redis**: redis-server (installed with apt-get if missing, run on a free loopback port with persistence
   off, stopped after) through redis-py with hiredis (pip-installed into this venv if missing): SET and GET of
   the same bytes; 8 in flight is a pipeline of 8.
+* **kvd ... buffers** (``--socket-buffer BYTES``): the same append and get servers with ``socket_buffer_bytes`` at
+  BYTES (0: the system's autotuning). On loopback a shard's default is 256 KiB, which keeps decode steps from
+  waiting behind a prefill's turn of an I/O thread (docs/design.md) and costs large transfers some throughput:
+  these columns measure that price beside the peers.
 * **pages q4**: ``get(format="pages")`` from a second kvd server whose store is at level q4, decoded on the
   client with kvd.pages.assemble, in fp16-equivalent GB/s (the bytes of the fp16 result), against raw get.
 * **lmcache**: LMCache's standalone server (``lmcache_server HOST PORT cpu``, PyPI ``lmcache``; it installs and
@@ -97,6 +102,8 @@ FRAME_COUNTS = (1, 8, 64, 640)
 # --packed: a 32-layer 7B-class sequence read whole as pages at q4
 PACKED_LAYERS = 32
 PACKED_TOKENS = (256, 1024)
+# --socket-buffer: the columns of the kvd servers with other socket buffers
+BUFFERS_APPEND, BUFFERS_GET = "kvd append buffers", "kvd get buffers"
 
 
 # ------------------------------------------------------------------------------------------------ servers
@@ -128,9 +135,10 @@ def raw_server(conn: Any) -> None:
             break
 
 
-def kvd_server(conn: Any, level: str, capacity_bytes: int, incarnation: str | None = None) -> None:
+def kvd_server(conn: Any, level: str, capacity_bytes: int, incarnation: str | None = None,
+               socket_buffer: int | None = None) -> None:
     """A ShardServer storing at ``level``; ``incarnation``: as a cluster's shards have one (clients then remember
-    it per sequence they append to)."""
+    it per sequence they append to); ``socket_buffer``: its ``socket_buffer_bytes`` (None: the default)."""
     from kvd.store import Store
     from kvd.wire.server import ShardServer
 
@@ -139,7 +147,8 @@ def kvd_server(conn: Any, level: str, capacity_bytes: int, incarnation: str | No
     store = Store(capacity_bytes, eviction="lru", max_level=level)
     if level != "fp16":
         store.set_level(level, 1)
-    server = ShardServer(store, shard_id=f"bench-{level}", incarnation=incarnation)
+    options = {} if socket_buffer is None else {"socket_buffer_bytes": socket_buffer}
+    server = ShardServer(store, shard_id=f"bench-{level}", incarnation=incarnation, **options)
     conn.send(server.start())
     conn.recv()  # until told to stop
     server.stop()
@@ -620,6 +629,9 @@ def main() -> int:
     ap.add_argument("--codec", action="store_true", help="only the sans-IO codec's calls, in tight loops")
     ap.add_argument("--copy", action="store_true",
                     help="only what sending one frame costs copied vs zero-copy (raw pyzmq, 64 KiB to 8 MiB)")
+    ap.add_argument("--socket-buffer", type=int, metavar="BYTES",
+                    help="also measure kvd with its shards' socket_buffer_bytes at BYTES (0: the system's "
+                         "autotuning; the loopback default is 256 KiB, chosen for decode steps' tail), same run")
     ap.add_argument("--client-malloc", choices=("recycle", "server"), default="recycle",
                     help="this process's malloc: kvd.client.recycle_buffers (1 GiB kept, the default) or the "
                          "servers' tune_malloc (256 MiB)")
@@ -642,6 +654,9 @@ def main() -> int:
     servers = {name: start(kvd_server, level, capacity) for name, level, capacity in (
         ("append", "fp16", APPEND_CAPACITY_BYTES), ("get", "fp16", GET_CAPACITY_BYTES),
         ("q4", "q4", GET_CAPACITY_BYTES))}
+    if args.socket_buffer is not None:  # the same append and get servers with other socket buffers
+        for name, capacity in (("append", APPEND_CAPACITY_BYTES), ("get", GET_CAPACITY_BYTES)):
+            servers[f"{name} buffers"] = start(kvd_server, "fp16", capacity, None, args.socket_buffer)
     redis_info = None if args.no_redis else start_redis()
     peers: dict[str, Any] = {}
     if not (args.no_lmcache and args.no_mooncake):
@@ -673,6 +688,9 @@ def main() -> int:
                 batches = {"raw put": raw.batch(b"P", size, data, n), "raw get": raw.batch(b"G", size, None, n),
                            "kvd append": append, "kvd get": get,
                            "kvd pages q4": pages_batch(clients["q4"], size, n)}
+                if args.socket_buffer is not None:
+                    batches[BUFFERS_APPEND], batches[BUFFERS_GET] = kvd_batches(
+                        clients["append buffers"], clients["get buffers"], size, n)
                 if redis_info is not None:
                     batches["redis put"], batches["redis get"] = redis_batches(redis_info[1], size, n)
                 for name, peer in peers.items():
@@ -694,6 +712,9 @@ def main() -> int:
         for peer in peers.values():
             peer.stop()
     names = (["redis"] if redis_info is not None else []) + list(peers)
+    if args.socket_buffer is not None:
+        print(f"\n'kvd append/get buffers': the same servers with socket_buffer_bytes={args.socket_buffer} "
+              f"({'autotuned' if args.socket_buffer == 0 else f'{args.socket_buffer >> 10} KiB'})")
     report(rows, names)
     return 0
 
@@ -880,6 +901,9 @@ def packed_only(budget: float) -> int:
 
 def report(rows: list[tuple[str, int, dict[str, float]]], peers: list[str]) -> None:
     cols = ["raw put", "kvd append", "raw get", "kvd get", "kvd pages q4"]
+    buffers = bool(rows) and BUFFERS_GET in rows[0][2]
+    if buffers:
+        cols += [BUFFERS_APPEND, BUFFERS_GET]
     for name in peers:
         cols += [f"{name} put", f"{name} get"]
     print("\nGB/s of payload (median), tcp://127.0.0.1, server in another process; pages q4 in fp16-equivalent "
@@ -892,6 +916,9 @@ def report(rows: list[tuple[str, int, dict[str, float]]], peers: list[str]) -> N
     ratio_cols = ["append/raw put", "get/raw get", "pages/raw get"]
     for name in peers:
         ratio_cols += [f"append/{name} put", f"get/{name} get"]
+    if buffers:
+        ratio_cols += ["buffers: append/raw put", "get/raw get"] + [
+            f"{op}/{name} {peer_op}" for name in peers for op, peer_op in (("append", "put"), ("get", "get"))]
     print("\nratios of kvd to the others (GB/s over GB/s, same run; above 1: kvd is faster)")
     print("| payload | in flight | " + " | ".join(ratio_cols) + " |")
     print("|---" * (2 + len(ratio_cols)) + "|")
@@ -900,6 +927,10 @@ def report(rows: list[tuple[str, int, dict[str, float]]], peers: list[str]) -> N
                   res["raw get"] / res["kvd pages q4"]]
         for name in peers:
             ratios += [res[f"{name} put"] / res["kvd append"], res[f"{name} get"] / res["kvd get"]]
+        if buffers:
+            ratios += [res["raw put"] / res[BUFFERS_APPEND], res["raw get"] / res[BUFFERS_GET]]
+            for name in peers:
+                ratios += [res[f"{name} put"] / res[BUFFERS_APPEND], res[f"{name} get"] / res[BUFFERS_GET]]
         print(f"| {label} | {n} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     print("\nmedian latency per request (us)")
     print("| payload | in flight | " + " | ".join(cols) + " |")
