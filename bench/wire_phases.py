@@ -31,6 +31,8 @@ against kvd appends into a full store, the first two servers):
                  packed in one (protocol 1.4), so the difference is what the packed frame saves
     kvd ping     the ShardServer answering pings, one at a time: no data and no store, so the fixed cost of any
                  request in kvd's client and serving loop
+    kvd buffers  with ``--socket-buffer BYTES``: the ShardServer with socket_buffer_bytes=BYTES (0: the system's
+                 autotuned buffers; on loopback the default is 256 KiB, for the decode tail)
 
     python bench/wire_phases.py --threads --tokens 16    # 64 KiB gets
     python bench/wire_phases.py --threads --op append --tokens 256    # 1 MiB appends
@@ -253,7 +255,7 @@ def frames_only(seconds: float, rounds: int = 3) -> int:
     return 0
 
 
-def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
+def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3, socket_buffer: int | None = None) -> int:
     from kvd.client import recycle_buffers
 
     recycle_buffers()  # as bench/wire.py's client process: pipelined MiB replies reuse warm buffers
@@ -264,6 +266,9 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3) -> int:
         servers["kvd shape"] = wire.start(shape_server)
     else:  # appends into bench/wire.py's append server: a full store, LRU eviction recycling memory
         servers["kvd"] = wire.start(wire.kvd_server, "fp16", wire.APPEND_CAPACITY_BYTES)
+    if socket_buffer is not None:  # the same server with other socket buffers (0: the system's autotuning)
+        capacity = wire.GET_CAPACITY_BYTES if op == "get" else wire.APPEND_CAPACITY_BYTES
+        servers["kvd buffers"] = wire.start(wire.kvd_server, "fp16", capacity, None, socket_buffer)
     k, v = wire.kv(tokens)
     batches: dict[tuple[str, int], Any] = {}
     try:
@@ -319,6 +324,9 @@ def main() -> int:
                     help="CPU per thread of raw pyzmq replies of 64 KiB in 1, 2 and 4 frames (no kvd code)")
     ap.add_argument("--seconds", type=float, default=15.0,
                     help="with --threads or --frames: seconds per server and depth")
+    ap.add_argument("--socket-buffer", type=int, default=None, metavar="BYTES",
+                    help="with --threads: also a 'kvd buffers' row, the kvd server with socket_buffer_bytes=BYTES "
+                         "(0: the system's autotuning; the loopback default is 256 KiB)")
     ap.add_argument("--pack-below", type=int, default=None, metavar="BYTES",
                     help="the client packs appends of keys and values together under this many bytes (default: "
                          "kvd.client.core.PACK_BELOW_BYTES): where packing stops paying")
@@ -330,7 +338,7 @@ def main() -> int:
     if args.frames:
         return frames_only(args.seconds)
     if args.threads:
-        return threads_only(args.op, args.tokens, args.seconds)
+        return threads_only(args.op, args.tokens, args.seconds, socket_buffer=args.socket_buffer)
     n = args.requests
     # appends run against bench/wire.py's smaller store, so that the warm-up fills it and the measured ones are
     # the steady state (LRU eviction recycling memory), not a store still growing into fresh pages
