@@ -289,7 +289,11 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3, socket_b
                 for n in (1, 8):
                     batches[name, n] = wire.kvd_batches(client, client, size, n)[0]
                 continue
+            client.drop(wire.NS, "read")  # kvd 1.3 reads the kvd row's server: its sequence, not twice as long
             client.append(wire.NS, "read", k, v)
+            if client.length(wire.NS, "read") != tokens:  # every row reads the payload it is labelled with
+                raise RuntimeError(f"{name}: the sequence read holds {client.length(wire.NS, 'read')} tokens, not "
+                                   f"{tokens}")
             for n in (1, 8):
                 def batch(client: Client = client, n: int = n) -> None:
                     if n == 1:
