@@ -219,9 +219,8 @@ class ClusterSettings:
         None, optional(size_at_least(4 * KIB, or_zero=True)), "TCP send and receive buffer of each connection to "
         "a shard; unset: 256 KiB where shards bind a loopback address (kvd up's default), else the system's "
         "autotuned buffers; 0: always the system's. Smaller buffers cut how long a small request waits behind "
-        "other clients' MiB transfers, but cap one connection at about buffer / network round trip, and cost "
-        "17-35% of the throughput where more than a buffer is in flight on one connection (pipelined reads, "
-        "MiB appends; docs/design.md)"
+        "other clients' MiB transfers, but cap one connection at about buffer / network round trip, and make "
+        "MiB appends and lone MiB reads 20-40% slower (docs/design.md)"
     )
     num_cpus: int | None = _setting(
         None,
