@@ -69,8 +69,9 @@ def python_name(symbol: str) -> str | None:
 def _drive(client: Client, op: str, tokens: int, depth: int) -> Any:
     size = tokens * wire.TOKEN_BYTES
     client.register(wire.NS, num_layers=wire.LAYERS, num_kv_heads=wire.HEADS, head_dim=wire.DIM)
-    append, get = wire.kvd_batches(client, client, size, depth)
-    return get if op == "get" else append
+    if op == "get":  # (not kvd_batches: its appends fill the store until it evicts the sequence read)
+        return wire.kvd_get_batch(client, size, depth)
+    return wire.kvd_batches(client, client, size, depth)[0]
 
 
 def main() -> int:
@@ -87,10 +88,17 @@ def main() -> int:
     if shutil.which("perf") is None:
         print("perf is not installed (Debian: linux-perf)", file=sys.stderr)
         return 2
+    data = Path(tempfile.mkdtemp(prefix="kvd-profile-")) / "perf.data"  # DWARF stacks: tens of MB
+    try:
+        return _profile(args, data)
+    finally:
+        shutil.rmtree(data.parent, ignore_errors=True)
+
+
+def _profile(args: argparse.Namespace, data: Path) -> int:
     recycle_buffers()
     capacity = wire.APPEND_CAPACITY_BYTES if args.op == "append" else wire.GET_CAPACITY_BYTES
     proc, endpoint, pipe = wire.start(wire.kvd_server, "fp16", capacity)
-    data = Path(tempfile.mkdtemp(prefix="kvd-profile-")) / "perf.data"
     try:
         client = Client(endpoint, timeout_s=60)
         batch = _drive(client, args.op, args.tokens, args.depth)
@@ -132,7 +140,6 @@ def main() -> int:
         name = python_name(symbol) or (symbol if symbol in _NATIVE else None)
         if name is not None and name not in rows:  # (a function inlined into its wrapper is listed twice)
             rows[name] = share
-    shutil.rmtree(data.parent, ignore_errors=True)
     thread = "loop thread" if args.side == "server" else "calling thread"
     print(f"{args.op}s of {args.tokens} token(s) ({args.tokens * wire.TOKEN_BYTES >> 10} KiB), {args.depth} in "
           f"flight: {done} requests in {wall:.1f} s, {wall / done * 1e6:.0f} us each; {args.side} CPU per "

@@ -253,13 +253,32 @@ def kv(tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 Batch = Callable[[], Any]  # None, or its own time in seconds (a batch run in another process)
 
 
-def kvd_batches(client: Client, getter: Client, size: int, n: int) -> tuple[Batch, Batch]:
+def kvd_get_batch(getter: Client, size: int, n: int) -> Batch:
+    """Gets (fp16) of a sequence of exactly ``size`` bytes of keys and values, stored afresh first; n in flight."""
     tokens = size // TOKEN_BYTES
-    k, v = kv(tokens)
-    counter = iter(range(1 << 62))
     seq = f"g{size}"
     getter.drop(NS, seq)
-    getter.append(NS, seq, k, v)
+    getter.append(NS, seq, *kv(tokens))
+    if getter.length(NS, seq) != tokens:  # every batch reads the payload it is labelled with
+        raise RuntimeError(f"the sequence {seq} holds {getter.length(NS, seq)} tokens, not {tokens}")
+
+    def get() -> None:
+        if n == 1:
+            getter.get(NS, seq)
+        else:
+            ps = [getter.get_nowait(NS, seq) for _ in range(n)]
+            for x in ps:
+                x.result()
+
+    return get
+
+
+def kvd_batches(client: Client, getter: Client, size: int, n: int) -> tuple[Batch, Batch]:
+    """Appends through ``client`` into a store filled until it evicts, and :func:`kvd_get_batch` through
+    ``getter`` (another server: the appends would evict the sequence it reads)."""
+    get = kvd_get_batch(getter, size, n)
+    k, v = kv(size // TOKEN_BYTES)
+    counter = iter(range(1 << 62))
 
     # steady state: fill the store until it evicts (or for WARMUP_S), so appends recycle memory as a full cache
     # does instead of paying first-touch page faults on fresh memory
@@ -277,14 +296,6 @@ def kvd_batches(client: Client, getter: Client, size: int, n: int) -> tuple[Batc
             client.append(NS, f"a{size}-{next(counter) % ROTATION}", k, v)
         else:
             ps = [client.append_nowait(NS, f"a{size}-{next(counter) % ROTATION}", k, v) for _ in range(n)]
-            for x in ps:
-                x.result()
-
-    def get() -> None:
-        if n == 1:
-            getter.get(NS, seq)
-        else:
-            ps = [getter.get_nowait(NS, seq) for _ in range(n)]
             for x in ps:
                 x.result()
 

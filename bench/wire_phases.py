@@ -269,7 +269,6 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3, socket_b
     if socket_buffer is not None:  # the same server with other socket buffers (0: the system's autotuning)
         capacity = wire.GET_CAPACITY_BYTES if op == "get" else wire.APPEND_CAPACITY_BYTES
         servers["kvd buffers"] = wire.start(wire.kvd_server, "fp16", capacity, None, socket_buffer)
-    k, v = wire.kv(tokens)
     batches: dict[tuple[str, int], Any] = {}
     try:
         for name, (_, endpoint, _) in [*servers.items(), ("kvd 1.3", servers["kvd"])]:
@@ -289,19 +288,8 @@ def threads_only(op: str, tokens: int, seconds: float, rounds: int = 3, socket_b
                 for n in (1, 8):
                     batches[name, n] = wire.kvd_batches(client, client, size, n)[0]
                 continue
-            client.drop(wire.NS, "read")  # kvd 1.3 reads the kvd row's server: its sequence, not twice as long
-            client.append(wire.NS, "read", k, v)
-            if client.length(wire.NS, "read") != tokens:  # every row reads the payload it is labelled with
-                raise RuntimeError(f"{name}: the sequence read holds {client.length(wire.NS, 'read')} tokens, not "
-                                   f"{tokens}")
-            for n in (1, 8):
-                def batch(client: Client = client, n: int = n) -> None:
-                    if n == 1:
-                        client.get(wire.NS, "read")
-                    else:
-                        for pending in [client.get_nowait(wire.NS, "read") for _ in range(n)]:
-                            pending.result()
-                batches[name, n] = batch
+            for n in (1, 8):  # (kvd 1.3 shares the kvd row's server: the sequence is stored afresh, same size)
+                batches[name, n] = wire.kvd_get_batch(client, size, n)
             if name == "kvd":  # no data and no store: what any request costs both processes
                 batches["kvd ping", 1] = client.ping
         pids = {name: proc.pid for name, (proc, _, _) in servers.items()}
