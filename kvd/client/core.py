@@ -79,7 +79,7 @@ def recycle_buffers(keep_bytes: int = RECYCLE_BYTES) -> bool:
     ZeroMQ receives every reply frame into a buffer it mallocs (an fp16 get's arrays are views of those
     buffers). By default glibc maps a large buffer fresh and unmaps it when freed, and trims its heap once
     enough is free at the top, so large gets pay a page fault per 4 KiB of every reply: 8 pipelined 32 MiB
-    gets spent about two thirds of the client's CPU there (BENCHMARKS.md, issue 19). After this call, frames up
+    gets spent about two thirds of the client's CPU there (BENCHMARKS.md, "Wire"). After this call, frames up
     to 32 MiB come from the heap and up to ``keep_bytes`` of freed heap stay mapped for the next replies: set it
     above the reply bytes this process has in flight at once (8 x 32 MiB gets: more than 256 MiB), at the cost
     of that much memory kept by the process after a burst. It also puts every thread on one malloc arena (the

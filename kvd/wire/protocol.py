@@ -494,7 +494,7 @@ def _decode_reply(frames: Sequence[Any], limits: Limits) -> Reply:
 # ---- the fast path of the messages small requests are made of -------------------------------------------------
 # Each side waits for the other, and wakes up to a message with cold caches: there every call and branch of the
 # generic decoder costs several times its warm price (a 64 KiB get reply: ~7 us in a tight loop, ~30 us of the
-# client's CPU per request in a real round trip; BENCHMARKS.md, issue 19). So the messages of small requests, a
+# client's CPU per request in a real round trip; BENCHMARKS.md, "Wire"). So the messages of small requests, a
 # get and an append and their replies, are read by one flat function each when their header has exactly the keys
 # kvd's own client and server send. It checks everything the generic decoder checks, in the same terms, and
 # returns None for anything else (another key set, a wrong type, a value out of range, a non-ASCII string, a

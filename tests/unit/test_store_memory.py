@@ -277,7 +277,7 @@ def test_forgetting_a_sequence_costs_what_it_logged_however_many_are_kept() -> N
     """A full store evicts on every append. Forgetting the evicted sequence must cost about what that sequence
     logged for compaction, not a pass over the rows of every sequence kept: each eviction used to rebuild the
     whole compaction log, so an append into a full 2 GiB store cost twice one into 256 MiB (BENCHMARKS.md,
-    "Sixteenth session")."""
+    "Appends to a full store")."""
     scanned, added = [0], [0]
 
     class CountingLog(store_seq.CompactionLog):
