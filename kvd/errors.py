@@ -123,6 +123,13 @@ class WrongShard(KvdError):
     code = 19
 
 
+class DiskError(KvdError, OSError):
+    """The shard's disk tier could not read or write (an I/O error, a full disk); the message names the file
+    and the system's error. What the shard holds in memory is unaffected (protocol 1.5)."""
+
+    code = 20
+
+
 def _all_subclasses(cls: type[KvdError]) -> list[type[KvdError]]:
     out = [cls]
     for sub in cls.__subclasses__():

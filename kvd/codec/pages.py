@@ -462,6 +462,13 @@ def _verified(buf: object) -> tuple[_Layout, memoryview]:
     return lay, mv
 
 
+def verify(buf: object) -> PageHeader:
+    """Check a page's header, length and checksum without decoding it; its header. Raises CorruptPage or
+    UnsupportedVersion (a page read back from disk is checked this way before it is served)."""
+    lay, mv = _verified(buf)
+    return lay.header(_SUM.unpack_from(mv, _HEAD.size)[0])
+
+
 def decode(buf: object) -> np.ndarray:
     """Decode a page to a new float16 array ``[T, H, D]``. Raises CorruptPage, UnsupportedVersion."""
     lay, mv = _verified(buf)
@@ -517,5 +524,5 @@ def _decode_matrix(lay: _Layout, v: dict[str, np.ndarray], m: np.ndarray) -> Non
 __all__ = [
     "AXIS_CHANNEL", "AXIS_NONE", "AXIS_TOKEN", "FORMAT_VERSION", "GROUPS", "HEADER_BYTES", "LEVELS", "ROLES",
     "PageHeader", "as_f16", "bf16_bits_to_f16", "decode", "decode_into", "encode", "encode_into", "flat_layout",
-    "header", "nbytes", "scheme",
+    "header", "nbytes", "scheme", "verify",
 ]  # fmt: skip
