@@ -97,6 +97,7 @@ from kvd.store import buffers
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.store.compact import Compaction
+from kvd.store.disk import DEFAULT_WRITE_BUFFER_BYTES, DiskTier
 from kvd.store.evict import Eviction
 from kvd.store.sequences import (
     PACK_FRAME_BYTES,
@@ -108,9 +109,10 @@ from kvd.store.sequences import (
     int_tuple,
     seq_id_arg,
 )
+from kvd.store.spill import OnDisk, Spilling
 
 __all__ = ["Store", "EIGHT_BIT_FORMATS", "PACK_FRAME_BYTES", "DEFAULT_PAGE_TOKENS", "DEFAULT_SINK_TOKENS",
-           "DEFAULT_WINDOW_TOKENS", "ReadTooLarge"]
+           "DEFAULT_WINDOW_TOKENS", "OnDisk", "ReadTooLarge"]
 
 DEFAULT_PAGE_TOKENS = 64
 DEFAULT_SINK_TOKENS = 4
@@ -139,7 +141,7 @@ class ReadTooLarge(Exception):
         self.nbytes = nbytes
 
 
-class Store(Compaction, Eviction):
+class Store(Compaction, Eviction, Spilling):
     """One shard's paged, adaptively quantized KV memory. See the module docstring for the model.
 
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
@@ -148,7 +150,12 @@ class Store(Compaction, Eviction):
     fit is refused), ``eviction`` (``"lru"`` or ``"none"``), ``eight_bit`` (the 8-bit rung's page format:
     ``"q8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``), ``max_level`` (the most compact level an append that does not
     fit may compress to before it evicts or is refused: the policy's ``max_level``, default q4; fp16 turns
-    compression under pressure off). Bad options raise :class:`~kvd.errors.ConfigError`.
+    compression under pressure off), ``disk_path`` and ``disk_bytes`` (a disk tier in that directory, at most
+    that many bytes of files: full sequences spill there instead of being forgotten, and a store created on the
+    same directory serves what it holds; :mod:`kvd.store.spill`), ``disk_fresh`` (remove what the directory
+    holds instead), ``disk_write_buffer_bytes`` (spilled bytes waiting to be written, at most; outside
+    ``capacity_bytes``). Bad options raise :class:`~kvd.errors.ConfigError`. A store with a disk tier should be
+    ended with :meth:`close`.
     """
 
     def __init__(
@@ -163,6 +170,10 @@ class Store(Compaction, Eviction):
         eviction: str = "lru",
         eight_bit: str = "q8",
         max_level: Level | str = Level.Q4,
+        disk_path: str | None = None,
+        disk_bytes: int = 0,
+        disk_fresh: bool = False,
+        disk_write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES,
     ) -> None:
         self.capacity_bytes = int_arg("capacity_bytes", capacity_bytes, 1, None, ConfigError)
         self.page_tokens = int_arg("page_tokens", page_tokens, 1, 65535, ConfigError)
@@ -201,6 +212,16 @@ class Store(Compaction, Eviction):
         self._appends = self._gets = self._evictions = self._evicted_tokens = self._refusals = 0
         self._recompressed_pages = self._recompressed_bytes = self._window_encodes = 0
         self._squeezes = self._squeezed_bytes = self._aheads = 0
+        self._spill_overflows = self._promotions = self._disk_hits = self._disk_misses = 0
+        disk_bytes = int_arg("disk_bytes", disk_bytes, 0, None, ConfigError)
+        self._disk: DiskTier | None = None
+        if disk_bytes:
+            if not disk_path:
+                raise ConfigError("disk_bytes is set but disk_path is not: name the disk tier's directory")
+            self._disk = DiskTier(disk_path, disk_bytes, fresh=disk_fresh, allow_evict=eviction == "lru",
+                                  write_buffer_bytes=int_arg("disk_write_buffer_bytes", disk_write_buffer_bytes, 1,
+                                                             None, ConfigError))
+            self._disk.recover(self._accept_spilled)
 
     # ------------------------------------------------------------------------------------------ levels
 
@@ -312,7 +333,8 @@ class Store(Compaction, Eviction):
     # ------------------------------------------------------------------------------------------ append
 
     def append(
-        self, namespace: str, seq_id: SeqId, keys: object, values: object, *, position: int | None = None
+        self, namespace: str, seq_id: SeqId, keys: object, values: object, *, position: int | None = None,
+        disk_io: bool = True,
     ) -> int:
         """Append T tokens: ``keys`` and ``values`` ``[L, T, H, D]`` (all layers; float16, float32 or bfloat16).
         Returns the new length. All or nothing: on any error (shape, dtype, NaN/Inf, out of memory) nothing is
@@ -321,12 +343,17 @@ class Store(Compaction, Eviction):
         ``position``: where the sequence's token 0 sits in the prompt it belongs to (default 0). Only the prompt's
         first ``sink_tokens`` are sinks, so a sequence that starts later (a prompt stored block by block, one
         sequence per block) gets no sink page. Fixed when the sequence is created; an append that states another
-        position is refused (InvalidArgument)."""
+        position is refused (InvalidArgument).
+
+        An append to a sequence on disk takes it back into RAM first (:mod:`kvd.store.spill`); with ``disk_io``
+        False it raises :class:`OnDisk` instead when that means reading a file (nothing is done)."""
         with self._lock:
             ns = self._namespace(namespace)
             key = (ns.name, seq_id_arg(seq_id))
             pos = None if position is None else int_arg("position", position, 0, None)
             k16, v16 = store_seq.check_kv(ns, keys, values)
+            if self._disk is not None and key not in self._seqs:
+                self._promote(ns, key, disk_io)
             while True:
                 while key in self._pinned:  # another thread's append to this sequence is in flight
                     self._unpinned.wait()
@@ -569,27 +596,49 @@ class Store(Compaction, Eviction):
 
     def get_packed(
         self, namespace: str, seq_id: SeqId, start: int = 0, end: int | None = None,
-        layers: Sequence[int] | None = None, *, max_bytes: int | None = None,
+        layers: Sequence[int] | None = None, *, max_bytes: int | None = None, disk_io: bool = True,
     ) -> np.ndarray:  # fmt: skip
         """Like :meth:`get`, with keys and values in one new C-contiguous float16 array ``[2, L', end - start, H,
         D]``: keys ``[0]``, values ``[1]``, so that a server sends both as one frame (docs/protocol.md §6.5).
-        ``max_bytes``: raise :class:`ReadTooLarge` instead of reading more than that."""
+        ``max_bytes``: raise :class:`ReadTooLarge` instead of reading more than that. ``disk_io`` False: raise
+        :class:`OnDisk` instead of reading a spilled sequence's file."""
         with self._lock:
-            seq = self._sequence(namespace, seq_id)
+            seq, entry = self._lookup(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, layers)
             ns = seq.ns
             fp16 = _fp16_bytes(ns, len(lay), e - s)
             if max_bytes is not None and fp16 > max_bytes:
                 raise ReadTooLarge(fp16, max_bytes)  # (before it counts as a use)
-            self._seqs.move_to_end(seq.key)
-            self._gets += 1
+            view = self._use(seq, entry, e, fp16, disk_io)
             both = buffers.empty_f16((2, len(lay), e - s, ns.heads, ns.head_dim))
-            if fp16 < UNLOCKED_MIN_BYTES:
+            if view is None:
                 store_seq.read_into(seq, s, e, lay, self.page_tokens, both[0], both[1])
                 return both
-            view = self._view(seq, e)
-        self._unlocked_read(store_seq.read_into, view, s, e, lay, self.page_tokens, both[0], both[1])
+        self._unlocked_read(store_seq.read_into, view, s, e, lay, self.page_tokens, both[0], both[1], entry=entry)
         return both
+
+    def _lookup(self, namespace: object, seq_id: object) -> tuple[Any, Any]:
+        """(Under the lock) ``(seq, None)`` for a sequence in RAM, ``(view, entry)`` for one on disk (a view
+        whose pages :meth:`_unlocked_read` loads); UnknownNamespace / UnknownSequence."""
+        ns = self._namespace(namespace)
+        key = (ns.name, seq_id_arg(seq_id))
+        seq = self._seqs.get(key)
+        if seq is not None:
+            return seq, None
+        entry = self._disk_entry(ns, key)
+        return store_seq.SeqView.of(ns, entry.length), entry
+
+    def _use(self, seq: Any, entry: Any, end: int, fp16: int, disk_io: bool) -> store_seq.SeqView | None:
+        """(Under the lock) count a read of ``seq`` as a use; the view to read without the lock, or None to read
+        now (small, in RAM)."""
+        if entry is not None:
+            self._disk_stub(entry, disk_io)
+            self._gets += 1
+            self._readers += 1
+            return seq  # type: ignore[no-any-return]
+        self._gets += 1
+        self._seqs.move_to_end(seq.key)
+        return None if fp16 < UNLOCKED_MIN_BYTES else self._view(seq, end)
 
     def get_into(
         self,
@@ -608,20 +657,18 @@ class Store(Compaction, Eviction):
         raises, and InvalidArgument (naming the buffer) for a wrong type, dtype, shape, layout, a read-only
         buffer, or the two buffers overlapping; nothing is written then."""
         with self._lock:
-            seq = self._sequence(namespace, seq_id)
+            seq, entry = self._lookup(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, layers)
             ns = seq.ns
             k = store_seq.check_out(keys_out, "keys_out", len(lay), e - s, ns.heads, ns.head_dim)
             v = store_seq.check_out(values_out, "values_out", len(lay), e - s, ns.heads, ns.head_dim)
             if np.may_share_memory(k, v):
                 raise InvalidArgument("keys_out and values_out overlap")
-            self._seqs.move_to_end(seq.key)
-            self._gets += 1
-            if _fp16_bytes(ns, len(lay), e - s) < UNLOCKED_MIN_BYTES:
+            view = self._use(seq, entry, e, _fp16_bytes(ns, len(lay), e - s), True)
+            if view is None:
                 store_seq.read_into(seq, s, e, lay, self.page_tokens, k, v)
                 return e - s
-            view = self._view(seq, e)
-        self._unlocked_read(store_seq.read_into, view, s, e, lay, self.page_tokens, k, v)
+        self._unlocked_read(store_seq.read_into, view, s, e, lay, self.page_tokens, k, v, entry=entry)
         return e - s
 
     def get_pages(
@@ -649,6 +696,7 @@ class Store(Compaction, Eviction):
         *,
         frame_bytes: int = PACK_FRAME_BYTES,
         max_bytes: int | None = None,
+        disk_io: bool = True,
     ) -> tuple[list[tuple[int, int, memoryview, memoryview]], list[memoryview]]:
         """:meth:`get_pages`' entries and the buffers their pages are views of: whole pages back to back, in
         entry order (key page, value page), at most ``frame_bytes`` per buffer unless one page alone is larger.
@@ -656,18 +704,16 @@ class Store(Compaction, Eviction):
         :class:`ReadTooLarge` instead of reading a range whose float16 keys and values are more than that."""
         frame_bytes = int_arg("frame_bytes", frame_bytes, 1)
         with self._lock:
-            seq = self._sequence(namespace, seq_id)
+            seq, entry = self._lookup(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, layers)
-            ns = seq.ns
-            fp16 = _fp16_bytes(ns, len(lay), e - s)
+            fp16 = _fp16_bytes(seq.ns, len(lay), e - s)
             if max_bytes is not None and fp16 > max_bytes:
                 raise ReadTooLarge(fp16, max_bytes)
-            self._seqs.move_to_end(seq.key)
-            self._gets += 1
-            if fp16 < UNLOCKED_MIN_BYTES:
+            view = self._use(seq, entry, e, fp16, disk_io)
+            if view is None:
                 return store_seq.page_entries(seq, s, e, lay, self.page_tokens, frame_bytes)
-            view = self._view(seq, e)
-        return self._unlocked_read(store_seq.page_entries, view, s, e, lay, self.page_tokens, frame_bytes)
+        return self._unlocked_read(store_seq.page_entries, view, s, e, lay, self.page_tokens, frame_bytes,
+                                   entry=entry)
 
     def _view(self, seq: Seq, end: int) -> store_seq.SeqView:
         """(Under the lock) a read's snapshot of ``seq``; counts the read until :meth:`_unlocked_read` ends."""
@@ -675,29 +721,37 @@ class Store(Compaction, Eviction):
         self._readers += 1
         return view
 
-    def _unlocked_read(self, read: Any, view: store_seq.SeqView, *args: Any) -> Any:
-        """Run ``read(view, *args)`` without the lock (the caller has released it), then end the read."""
+    def _unlocked_read(self, read: Any, view: store_seq.SeqView, *args: Any, entry: Any = None) -> Any:
+        """Run ``read(view, *args)`` without the lock (the caller has released it), then end the read. ``entry``:
+        the view is of a spilled sequence, whose pages are loaded first."""
         try:
+            if entry is not None:
+                self._disk_view(entry, view)
             return read(view, *args)
         finally:
             with self._lock:
                 self._readers -= 1
 
     def length(self, namespace: str, seq_id: SeqId) -> int:
-        """Tokens stored for the sequence. Raises UnknownNamespace / UnknownSequence."""
+        """Tokens stored for the sequence (in RAM or on disk). Raises UnknownNamespace / UnknownSequence."""
         with self._lock:
-            return self._sequence(namespace, seq_id).length
+            return int(self._lookup(namespace, seq_id)[0].length)
 
     def lengths(self, namespace: str, seq_ids: Iterable[SeqId]) -> list[int | None]:
         """Tokens stored for each sequence, None where there is no such sequence (one lock, one namespace check:
         a prefix lookup). A lookup is not a use: LRU order does not change. Raises UnknownNamespace."""
         with self._lock:
             name = self._namespace(namespace).name
-            seqs = self._seqs
+            seqs, disk = self._seqs, self._disk
             out: list[int | None] = []
             for sid in seq_ids:
-                seq = seqs.get((name, seq_id_arg(sid)))
-                out.append(None if seq is None else seq.length)
+                key = (name, seq_id_arg(sid))
+                seq = seqs.get(key)
+                if seq is not None:
+                    out.append(seq.length)
+                else:
+                    entry = disk.get(key) if disk is not None else None
+                    out.append(None if entry is None else entry.length)
             return out
 
     def drop(self, namespace: str, seq_id: SeqId) -> bool:
@@ -707,8 +761,8 @@ class Store(Compaction, Eviction):
             key = (ns.name, seq_id_arg(seq_id))
             while key in self._pinned:  # an append to it is in flight: it goes first
                 self._unpinned.wait()
-            if key not in self._seqs:
-                return False
+            if key not in self._seqs:  # on disk: its file goes by the disk's writer thread
+                return self._disk is not None and self._disk.remove(key) is not None
             self._remove(key, pool=not self._readers)
             return True
 
@@ -720,7 +774,9 @@ class Store(Compaction, Eviction):
         Reasons: "hot tail", "raw layer", "sink", "window", "kept fp16 in the window until it aged out",
         "sealed at level q8 (epoch 3)", "re-compressed to q4 at epoch 5", "raw heads [0] kept fp16"."""
         with self._lock:
-            seq = self._sequence(namespace, seq_id)
+            seq, entry = self._lookup(namespace, seq_id)
+            if entry is not None:
+                return self._disk_explain(entry, layer, token)
             return store_seq.explain(seq, layer, token, self.page_tokens)
 
     def stats(self) -> dict[str, Any]:
@@ -777,4 +833,9 @@ class Store(Compaction, Eviction):
                 "window_tokens": self.window_tokens,
                 "eight_bit": self.eight_bit,
                 "eviction": self.eviction,
+                "spill_overflows": self._spill_overflows,
+                "promotions": self._promotions,
+                "disk_hits": self._disk_hits,
+                "disk_misses": self._disk_misses,
+                **(self._disk.stats() if self._disk is not None else {"disk_capacity_bytes": 0}),
             }

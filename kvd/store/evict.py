@@ -16,12 +16,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvd.errors import OutOfMemory
 from kvd.policy import Level
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.store.sequences import Seq, SeqId
+
+if TYPE_CHECKING:
+    from kvd.store.disk import DiskTier
 
 __all__ = ["Eviction"]
 
@@ -39,6 +43,9 @@ class Eviction:
     _refusals: int
     _fmt: str
     max_level: Level
+    _disk: DiskTier | None
+    _spill_overflows: int
+    _spill: Callable[[Seq], str | None]
 
     def _admit(
         self, need: int, seq: Seq | None, key: tuple[str, SeqId], t: int, validate: Callable[[], None]
@@ -51,8 +58,8 @@ class Eviction:
         if self._ledger.used + need <= cap:
             return False
         floor = self._ns_meta + (seq.nbytes if seq is not None else 0)  # what evicting everyone else leaves
-        if self.eviction == "lru" and floor + need <= cap:
-            return True
+        if (self.eviction == "lru" or self._disk is not None) and floor + need <= cap:
+            return True  # (under eviction="none", _make_room refuses if the disk cannot take what must go)
         validate()
         self._ledger.pool.clear()
         if self._ledger.used + need <= cap:
@@ -67,13 +74,28 @@ class Eviction:
 
     def _make_room(self, need: int, key: tuple[str, SeqId]) -> None:
         """Free room for ``need`` more bytes: the pool first, then least-recently-used whole sequences, never
-        ``key``'s (:meth:`_admit` has checked that evicting every other sequence is enough)."""
+        ``key``'s (:meth:`_admit` has checked that evicting every other sequence is enough). With a disk tier
+        they are spilled to disk (kvd.store.spill); one the disk cannot take is evicted, or under
+        ``eviction="none"`` the append is refused with the disk's reason."""
         cap = self.capacity_bytes
         if self._ledger.used + need <= cap:
             return
         self._ledger.pool.clear()
         while self._ledger.used + need > cap:
             victim = next(k for k in self._seqs if k != key)
+            if self._disk is not None:
+                why = self._spill(self._seqs[victim])
+                if why is None:
+                    continue
+                if self.eviction == "none":
+                    self._refusals += 1
+                    raise OutOfMemory(
+                        f"{need} more bytes are needed for {key[1]!r} in {key[0]!r}: {self._ledger.used} of {cap} "
+                        f"bytes are used at {self._fmt}, compressed as far as max_level {self.max_level.tag} "
+                        f"allows, and the disk cannot take {victim[1]!r}: {why} (eviction is off); nothing was "
+                        "written"
+                    )
+                self._spill_overflows += 1
             self._evictions += 1
             self._evicted_tokens += self._seqs[victim].length
             self._remove(victim, pool=False)

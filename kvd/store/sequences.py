@@ -238,6 +238,14 @@ class SeqView:
 
     record_pages = Seq.record_pages
 
+    @classmethod
+    def of(cls, ns: Namespace, length: int) -> SeqView:
+        """A view of ``length`` tokens of ``ns`` whose pages and tail the caller fills in (a spilled sequence:
+        kvd.store.spill)."""
+        view = cls.__new__(cls)
+        view.ns, view.length, view.pages, view.tail = ns, length, [], None
+        return view
+
 
 def check_range(seq: Seq, start: object, end: object, layers: object) -> tuple[int, int, list[int]]:
     """``(start, end, layers)`` checked against the sequence; InvalidArgument naming the bad value."""
