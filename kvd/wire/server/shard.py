@@ -18,7 +18,7 @@ import numpy as np
 
 from kvd.codec import pages
 from kvd.errors import Busy, ConfigError, Conflict, MessageTooLarge, ProtocolError, UnknownSequence, WrongShard
-from kvd.store.core import PACK_FRAME_BYTES, ReadTooLarge, Store
+from kvd.store.core import PACK_FRAME_BYTES, OnDisk, ReadTooLarge, Store
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
 from kvd.wire.routing import Router
@@ -255,7 +255,11 @@ class ShardServer(RouterServer):
         if req.dtype == "bfloat16":  # the wire carries bit patterns; the store takes float16
             keys = pages.bf16_bits_to_f16(keys.view(np.uint16), "keys")
             values = pages.bf16_bits_to_f16(values.view(np.uint16), "values")
-        length = store.append(req.namespace, req.seq_id, keys, values, position=req.position)
+        try:  # a sequence on disk is read back into RAM first: never on the loop (the store says so)
+            length = store.append(req.namespace, req.seq_id, keys, values, position=req.position,
+                                  disk_io=not self._loop_only())
+        except OnDisk:
+            raise ToBulkLane from None
         # the server's own replies from the store's results are valid by construction: no second check
         return p.AppendReply.trusted(request_id=req.request_id, length=int(length))
 
@@ -264,15 +268,22 @@ class ShardServer(RouterServer):
             self._check_owner(req.namespace, req.seq_id)
         # On the loop, a read of BULK_MIN_BYTES or more goes to the bulk lane: the store says so as it looks the
         # range up, before reading (one lookup per get, not a size query and then the read).
-        limit = BULK_MIN_BYTES - 1 if self._lane is not None and self._on_loop() else None
+        # So does a read of a spilled sequence's file (a disk read never runs on the loop).
+        loop = self._loop_only()
+        limit = BULK_MIN_BYTES - 1 if loop else None
         try:
-            return self._get_fp16(req, limit) if req.format == "fp16" else self._get_pages(req, limit)
-        except ReadTooLarge:
+            return self._get_fp16(req, limit, loop) if req.format == "fp16" else self._get_pages(req, limit, loop)
+        except (ReadTooLarge, OnDisk):
             raise ToBulkLane from None
 
-    def _get_fp16(self, req: p.GetRequest, limit: int | None) -> p.GetReply:
+    def _loop_only(self) -> bool:
+        """Whether this request runs on the loop of a server with a bulk lane: no disk I/O, nothing large."""
+        return self._lane is not None and self._on_loop()
+
+    def _get_fp16(self, req: p.GetRequest, limit: int | None, loop: bool) -> p.GetReply:
         # keys then values in one buffer: one frame when asked, if small enough
-        both = self._store.get_packed(req.namespace, req.seq_id, req.start, req.end, req.layers, max_bytes=limit)
+        both = self._store.get_packed(req.namespace, req.seq_id, req.start, req.end, req.layers, max_bytes=limit,
+                                      disk_io=not loop)
         keys = both[0]
         layers = req.layers if req.layers is not None else tuple(range(keys.shape[0]))
         packed = req.packed and both.nbytes <= self._pack_reply_bytes
@@ -280,10 +291,11 @@ class ShardServer(RouterServer):
                                   layers=layers, keys=keys, values=both[1],
                                   packed=p.tensor_frame(both) if packed else None)
 
-    def _get_pages(self, req: p.GetRequest, limit: int | None) -> p.GetPagesReply:
+    def _get_pages(self, req: p.GetRequest, limit: int | None, loop: bool) -> p.GetPagesReply:
         store = self._store
         entries, frames = store.get_pages_packed(req.namespace, req.seq_id, req.start, req.end, req.layers,
-                                                 frame_bytes=self._pack_frame_bytes, max_bytes=limit)
+                                                 frame_bytes=self._pack_frame_bytes, max_bytes=limit,
+                                                 disk_io=not loop)
         if len(entries) > self._limits.max_pages:
             raise MessageTooLarge(f"the range needs {len(entries)} pages, more than max_pages "
                                   f"{self._limits.max_pages}: ask for fewer tokens or layers")
