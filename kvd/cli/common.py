@@ -57,6 +57,8 @@ _FLAG_SETTINGS = {
     "pressure_mode": "cluster.pressure_mode",
     "profile": "policy.profile",
     "eviction": "store.eviction",
+    "disk": "cluster.disk_bytes",
+    "disk_path": "cluster.disk_path",
 }
 
 

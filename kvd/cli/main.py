@@ -166,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--pressure-mode", choices=["sum", "max"], help="cluster pressure: total or fullest shard")
     up.add_argument("--profile", choices=["default", "fp16_only", "aggressive"], help="policy profile")
     up.add_argument("--eviction", choices=["lru", "none"], help="when full: evict LRU sequences or refuse")
+    up.add_argument("--disk", metavar="SIZE",
+                    help="disk tier, total over all shards, e.g. 100GiB: when memory is full at the most compact "
+                         "level, sequences move to disk instead of being forgotten, and a restart serves them "
+                         "(default 0: off)")
+    up.add_argument("--disk-path", metavar="DIR",
+                    help="directory of the disk tier, on a local disk (default ~/.cache/kvd); `kvd up` again on "
+                         "the same DIR comes back with what it holds")
+    up.add_argument("--fresh", action="store_true", help="start with an empty disk tier (remove what DIR holds)")
     up.add_argument("--detach", action="store_true",
                     help="with --address: leave kvd running on the cluster and exit (stop it with `kvd down`); "
                     "metrics (--metrics-port) are then served on the Ray head")

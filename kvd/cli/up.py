@@ -267,7 +267,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         where = f"Ray cluster {cluster.address}" if cluster.address else "an embedded Ray"
         _say(f"kvd {__version__}: starting {cluster.shards} shards x {fmt_bytes(config.shard_capacity_bytes)} "
              f"on {where} (namespace {cluster.namespace!r}) ...")
-        deployment = deploy(config, host=host)
+        deployment = deploy(config, host=host, fresh=bool(getattr(args, "fresh", False)))
         metrics_url = None
         if cluster.metrics_port and args.detach:
             # nothing of this process stays to serve them: an actor on the Ray head does, until `kvd down`

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,11 +98,15 @@ def _get_actor(name: str, namespace: str) -> Any | None:
         return None
 
 
-def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 120.0) -> Deployment:
+def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 120.0,
+           fresh: bool = False) -> Deployment:
     """Start a coordinator and ``config.cluster.shards`` shards (SPREAD over the nodes) on the connected Ray.
 
-    ``host``: bind address of every actor, or ``"node"`` for each node's IP. Returns once every shard has
-    registered. Raises ConfigError if a kvd already runs in the namespace, Timeout if it does not come up.
+    ``host``: bind address of every actor, or ``"node"`` for each node's IP. With a disk tier
+    (``cluster.disk_bytes``) each shard is pinned to one node instead (:func:`_disk_placement`): its files are
+    on that node's disk, so a restart must come back there. ``fresh``: the shards' disk tiers start empty (once:
+    a shard Ray restarts later keeps what its disk holds). Returns once every shard has registered. Raises
+    ConfigError if a kvd already runs in the namespace, Timeout if it does not come up.
     """
     import ray
 
@@ -127,6 +132,8 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
     endpoint: str = _started(coordinator, coordinator.endpoint.remote(), ready_timeout_s, "the coordinator")
     deployment = Deployment(namespace=ns, endpoint=endpoint, coordinator=coordinator, timeout_s=timeout_s)
     shard_cls = actor_class("shard")
+    placement = _disk_placement(shard_ids(cluster.shards)) if config.shard_disk_bytes else {}
+    fresh_token = uuid.uuid4().hex if fresh else None
     for sid in shard_ids(cluster.shards):
         deployment.shards[sid] = shard_cls.options(
             name=shard_name(sid),
@@ -135,8 +142,8 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
             num_cpus=cluster.shard_cpus,
             # Ray's memory resource keeps the scheduler from packing more shards on a node than fit.
             memory=shard_memory_request(config),
-            scheduling_strategy="SPREAD",
-        ).remote(sid, config, host=host)
+            scheduling_strategy=placement.get(sid, "SPREAD"),
+        ).remote(sid, config, host=host, fresh_token=fresh_token)
     try:
         # Constructors first: a shard that cannot start (bad settings, no free port) fails here at once.
         for sid, handle in deployment.shards.items():
@@ -160,6 +167,19 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
         teardown(ns, timeout_s=timeout_s)
         raise
     return deployment
+
+
+def _disk_placement(sids: list[str]) -> dict[str, Any]:
+    """Shards with a disk tier: shard i on the i-th alive node (round robin, nodes in the order of their
+    address), never moved (a hard node affinity). The same nodes give the same placement at every `kvd up`, so
+    each shard finds its files again; a shard whose node is gone is not started elsewhere (its files are not
+    there): docs/design.md, "The disk tier"."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+    return {sid: NodeAffinitySchedulingStrategy(nodes[i % len(nodes)]["NodeID"], soft=False)
+            for i, sid in enumerate(sids)}
 
 
 def _root_cause(exc: BaseException) -> str:
@@ -207,9 +227,11 @@ def _kill(handle: Any) -> None:
         log.warning("ray.kill failed: %s", exc)
 
 
-def teardown(namespace: str = "kvd", *, timeout_s: float = 10.0) -> int:
-    """Stop the kvd in ``namespace``: shards first (stop serving, then kill), then the coordinator; forget the
-    persisted state. Returns the number of actors stopped (0 if nothing ran)."""
+def teardown(namespace: str = "kvd", *, timeout_s: float = 10.0, stop_timeout_s: float = 300.0) -> int:
+    """Stop the kvd in ``namespace``: shards first (stop serving, write what they hold in memory to their disk
+    tier if they have one, then kill), then the coordinator; forget the persisted state. ``stop_timeout_s``: how
+    long the shards get to stop (a shard writing out its memory takes about memory / disk bandwidth). Returns
+    the number of actors stopped (0 if nothing ran)."""
     import ray
 
     deployment = find(namespace, timeout_s=timeout_s) if _get_actor(coordinator_name(), namespace) else None
@@ -230,7 +252,7 @@ def teardown(namespace: str = "kvd", *, timeout_s: float = 10.0) -> int:
         except Exception:  # noqa: BLE001
             pass
     if stops:
-        ray.wait(stops, num_returns=len(stops), timeout=timeout_s)
+        ray.wait(stops, num_returns=len(stops), timeout=max(timeout_s, stop_timeout_s))
     for h in handles:
         _kill(h)
     RayKV(state_key(namespace)).delete()

@@ -62,6 +62,31 @@ def _candidate_ports(port_range: tuple[int, int] | None) -> list[int]:
     return ports
 
 
+def _open_store(shard_id: str, config: Config, fresh_token: str | None) -> Any:
+    """The shard's store, with its disk tier if ``cluster.disk_bytes`` is set. ``fresh_token``: `kvd up --fresh`
+    asked for an empty disk; the token is written beside the files, so a restart of this shard by Ray (same
+    arguments) keeps what the disk holds by then."""
+    from kvd.store.core import Store
+
+    disk: dict[str, Any] = {}
+    if config.shard_disk_bytes:
+        path = config.shard_disk_path(shard_id)
+        mark = os.path.join(path, "FRESH")
+        fresh = False
+        if fresh_token is not None:
+            try:
+                with open(mark) as f:
+                    fresh = f.read().strip() != fresh_token
+            except FileNotFoundError:
+                fresh = True
+        disk = {"disk_path": path, "disk_bytes": config.shard_disk_bytes, "disk_fresh": fresh}
+    store = Store(config.shard_capacity_bytes, **config.store_kwargs(), **disk)
+    if disk and fresh_token is not None:
+        with open(os.path.join(disk["disk_path"], "FRESH"), "w") as f:
+            f.write(fresh_token)
+    return store
+
+
 class Shard:
     """One shard. ``shard_id``: its stable id (``shard-0`` ...); ``host``: bind address or ``"node"``.
 
@@ -69,18 +94,17 @@ class Shard:
     :meth:`ping`, :meth:`stop`.
     """
 
-    def __init__(self, shard_id: str, config: Config, *, host: str) -> None:
+    def __init__(self, shard_id: str, config: Config, *, host: str, fresh_token: str | None = None) -> None:
         from kvd.cluster.priority import normal_priority  # Ray runs workers at nice 15; a server must not
         normal_priority()
         from kvd.cluster.naming import curve_server_config, resolve_host
-        from kvd.store.core import Store
         from kvd.wire.server import ShardServer
 
         self._shard_id = shard_id
         self._config = config
         self._incarnation = uuid.uuid4().hex
         self._started_at = time.time()
-        self._store = Store(config.shard_capacity_bytes, **config.store_kwargs())
+        self._store = _open_store(shard_id, config, fresh_token)
         buffers.cache_bytes(config.store.warm_cache_bytes)  # process-wide, like ShardServer's malloc tuning
         bind_host = resolve_host(host)
         curve = curve_server_config(config)
@@ -113,7 +137,8 @@ class Shard:
         self._node = socket.gethostname()
         self._namespaces_lock = threading.Lock()
         self._namespaces: dict[str, tuple[int, int, int]] = {}  # every namespace this shard knows
-        self._pending: dict[str, tuple[int, int, int]] = {}  # registered here, not yet known to the coordinator
+        # registered here, not yet known to the coordinator: at first, those of the sequences its disk holds
+        self._pending: dict[str, tuple[int, int, int]] = self._store.layouts()
         self._namespaces_version = 0
         self._stopped = threading.Event()
         self._registered = threading.Event()
@@ -175,9 +200,11 @@ class Shard:
         return True
 
     def stop(self) -> None:
-        """Stop reporting and serving (before the actor is killed); the store's data is dropped with it."""
+        """Stop reporting and serving (before the actor is killed). Without a disk tier the store's data is
+        dropped with it; with one, what it holds in memory is written to disk first, for the next start."""
         self._stopped.set()
         self._server.stop(timeout_s=2.0)
+        self._store.close(persist=True)
 
     # ------------------------------------------------------------------------------------------ reporter
 

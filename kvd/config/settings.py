@@ -215,6 +215,15 @@ class ClusterSettings:
         "head"
     )
     shard_cpus: float = _setting(1.0, number_in(0.0, 1024.0), "logical CPUs Ray reserves per shard (0 = none)")
+    disk_bytes: int = _setting(
+        0, size_at_least(MIB, or_zero=True), "total disk over all shards for the disk tier: when memory is full at the "
+        "most compact level, whole sequences move to disk instead of being forgotten, and a restarted shard serves "
+        "them (0 = off, the default of `kvd up`: a quick start writes nothing to disk)"
+    )
+    disk_path: str = _setting(
+        "~/.cache/kvd", text_value, "directory of the disk tier on each node (a local disk); shard files go under "
+        "DIR/<namespace>/<shard id>, and a kvd started again on the same DIR serves what they hold"
+    )
     shard_socket_buffer_bytes: int | None = _setting(
         None, optional(size_at_least(4 * KIB, or_zero=True)), "TCP send and receive buffer of each connection to "
         "a shard; unset: 256 KiB where shards bind a loopback address (kvd up's default), else the system's "
@@ -323,6 +332,15 @@ class Config:
         if self.store.capacity_bytes is not None:
             return self.store.capacity_bytes
         return self.cluster.memory_bytes // self.cluster.shards
+
+    @property
+    def shard_disk_bytes(self) -> int:
+        """Bytes of disk each shard's disk tier gets (0: no disk tier)."""
+        return self.cluster.disk_bytes // self.cluster.shards
+
+    def shard_disk_path(self, shard_id: str) -> str:
+        """The directory of one shard's disk tier."""
+        return os.path.join(os.path.expanduser(self.cluster.disk_path), self.cluster.namespace, shard_id)
 
     @property
     def total_capacity_bytes(self) -> int:
