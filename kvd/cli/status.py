@@ -16,7 +16,7 @@ from typing import Any
 from kvd.config.settings import format_size
 from kvd.policy import Level
 
-__all__ = ["fmt_bytes", "imbalance", "serving_table", "shard_table", "status_line", "StatusMetrics"]
+__all__ = ["disk_table", "fmt_bytes", "imbalance", "serving_table", "shard_table", "status_line", "StatusMetrics"]
 
 
 # ------------------------------------------------------------------------------------------------ display
@@ -84,6 +84,9 @@ def shard_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
         )
     if notes:
         out += "\nwhy each level:\n" + "\n".join(notes)
+    disk = disk_table(shards)
+    if disk:
+        out += "\n\ndisk tier (spilled sequences, counts since each shard started):\n" + disk
     serving = serving_table(shards)
     if serving:
         out += "\n\nserving (counts since each shard started):\n" + serving
@@ -94,6 +97,28 @@ def _count(stats: dict[str, Any], key: str) -> int | None:
     """A server counter of ``stats``, or None when it is missing or not an integer."""
     value = stats.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def disk_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
+    """Each shard's disk tier (docs/protocol.md §6.8): bytes used of its budget and by level, sequences and
+    tokens there, spills (and those refused: memory then forgets), reads from disk, the disk's own LRU evictions,
+    write errors with the last one. Empty when no shard has a disk tier."""
+    headers = ["shard", "disk used", "disk", "by level", "sequences", "tokens", "spills", "refused", "reads",
+               "evictions", "errors"]
+    rows, notes = [], []
+    for sid, s in shards:
+        if not isinstance(s, dict) or not s.get("disk_capacity_bytes"):
+            continue
+        levels = " ".join(f"{k}:{fmt_bytes(v)}" for k, v in sorted((s.get("disk_bytes_by_level") or {}).items()))
+        rows.append([sid, fmt_bytes(s.get("disk_used_bytes")), fmt_bytes(s.get("disk_capacity_bytes")), levels or "-",
+                     s.get("disk_sequences", "-"), s.get("disk_tokens", "-"), s.get("spills", "-"),
+                     s.get("spill_refusals", "-"), s.get("disk_reads", "-"), s.get("disk_evictions", "-"),
+                     s.get("disk_errors", "-")])
+        if s.get("disk_last_error"):
+            notes.append(f"  {sid}: last disk error: {s['disk_last_error']}")
+    if not rows:
+        return ""
+    return _table(headers, rows) + ("\n" + "\n".join(notes) if notes else "")
 
 
 def serving_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
@@ -225,6 +250,39 @@ class StatusMetrics:
             "server_replies_held_bytes": g("kvd_shard_replies_held_bytes", "Reply bytes sent and not yet read by "
                                            "their peers", labels=["shard"]),
         }
+        disk: dict[str, Any] = {  # the disk tier (docs/protocol.md §6.8), where a shard has one
+            "disk_used_bytes": g("kvd_shard_disk_used_bytes", "Bytes of the disk tier's files (and spills waiting "
+                                 "to be written)", labels=["shard"]),
+            "disk_capacity_bytes": g("kvd_shard_disk_capacity_bytes", "Bytes of the disk tier's budget",
+                                     labels=["shard"]),
+            "disk_pending_bytes": g("kvd_shard_disk_pending_bytes", "Spilled bytes waiting to be written",
+                                    labels=["shard"]),
+            "disk_sequences": g("kvd_shard_disk_sequences", "Sequences on disk", labels=["shard"]),
+            "disk_tokens": g("kvd_shard_disk_tokens", "Tokens on disk", labels=["shard"]),
+            "spills": CounterMetricFamily("kvd_shard_spills", "Sequences moved from memory to disk",
+                                          labels=["shard"]),
+            "spilled_bytes": CounterMetricFamily("kvd_shard_spilled_bytes", "Bytes moved from memory to disk",
+                                                 labels=["shard"]),
+            "spill_refusals": CounterMetricFamily("kvd_shard_spill_refusals", "Spills the disk refused (full "
+                                                  "write buffer, failing disk, over its budget)", labels=["shard"]),
+            "disk_reads": CounterMetricFamily("kvd_shard_disk_reads", "Spilled sequences read back from their "
+                                              "files", labels=["shard"]),
+            "disk_read_bytes": CounterMetricFamily("kvd_shard_disk_read_bytes", "Bytes read back from disk",
+                                                   labels=["shard"]),
+            "disk_hits": CounterMetricFamily("kvd_shard_disk_hits", "Reads served from the disk tier",
+                                             labels=["shard"]),
+            "disk_misses": CounterMetricFamily("kvd_shard_disk_misses", "Reads of a sequence found neither in "
+                                               "memory nor on disk", labels=["shard"]),
+            "promotions": CounterMetricFamily("kvd_shard_promotions", "Spilled sequences taken back into memory "
+                                              "(an append to them)", labels=["shard"]),
+            "disk_evictions": CounterMetricFamily("kvd_shard_disk_evictions", "Sequences the disk tier forgot "
+                                                  "(its budget was full)", labels=["shard"]),
+            "disk_errors": CounterMetricFamily("kvd_shard_disk_errors", "Disk reads, writes or removals that "
+                                               "failed", labels=["shard"]),
+            "disk_corrupt": CounterMetricFamily("kvd_shard_disk_corrupt", "Spilled sequences dropped because a "
+                                                "checksum failed on read", labels=["shard"]),
+        }
+        tier = g("kvd_shard_tier_bytes", "Bytes held by tier and page format", labels=["shard", "tier", "level"])
         by_level = g("kvd_shard_level_bytes", "Bytes of pages by page format", labels=["shard", "level"])
         ahead = g("kvd_shard_ahead_level", "Level a shard runs at ahead of the cluster under its own pressure "
                   "(-1: none)", labels=["shard"])
@@ -246,8 +304,17 @@ class StatusMetrics:
             why.add_metric([sid, str(s.get("level_reason", ""))], 1.0)
             for level, n in (s.get("bytes_by_level") or {}).items():
                 by_level.add_metric([sid, level], float(n))
+                tier.add_metric([sid, "ram", level], float(n))
+            if s.get("disk_capacity_bytes"):
+                for key, family in disk.items():
+                    if (value := _count(s, key)) is not None:
+                        family.add_metric([sid], float(value))
+                for level, n in (s.get("disk_bytes_by_level") or {}).items():
+                    tier.add_metric([sid, "disk", level], float(n))
         yield from families.values()
         yield from serving.values()
+        yield from disk.values()
+        yield tier
         yield by_level
         yield ahead
         yield why
