@@ -632,7 +632,7 @@ class Store(Compaction, Eviction, Spilling):
         """(Under the lock) count a read of ``seq`` as a use; the view to read without the lock, or None to read
         now (small, in RAM)."""
         if entry is not None:
-            self._disk_stub(entry, disk_io)
+            self._disk_stub(entry, seq, disk_io)
             self._gets += 1
             self._readers += 1
             return seq  # type: ignore[no-any-return]

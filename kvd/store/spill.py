@@ -142,16 +142,22 @@ class Spilling:
             raise UnknownSequence(f"no sequence {key[1]!r} in namespace {ns.name!r}")
         return entry
 
-    def _disk_stub(self, entry: Entry, disk_io: bool) -> None:
-        """(Under the lock) a read of a spilled sequence begins: OnDisk when its file must be read and
-        ``disk_io`` is False; else it counts as a use of the sequence."""
-        if not disk_io and entry.records is None:
+    def _disk_stub(self, entry: Entry, view: store_seq.SeqView, disk_io: bool) -> None:
+        """(Under the lock) a read of a spilled sequence begins: a pending one's pages go into ``view`` now (no
+        disk read); OnDisk when its file must be read and ``disk_io`` is False; it counts as a use."""
+        loaded = self._disk.pending(entry)  # type: ignore[union-attr]
+        if loaded is not None:
+            view.pages, view.tail = loaded
+        elif not disk_io:
             raise OnDisk
         self._disk_hits += 1
         self._disk.touch(entry.key)  # type: ignore[union-attr]
 
     def _disk_view(self, entry: Entry, view: store_seq.SeqView) -> store_seq.SeqView:
-        """(Without the lock) fill ``view`` with ``entry``'s pages, read from disk and verified."""
+        """(Without the lock) fill ``view`` with ``entry``'s pages, read from disk and verified, unless
+        :meth:`_disk_stub` found them in memory."""
+        if view.pages:
+            return view
         try:
             view.pages, view.tail = self._disk.load(entry)  # type: ignore[union-attr]
         except FileNotFoundError:  # dropped or evicted from disk since the lookup
@@ -167,18 +173,20 @@ class Spilling:
             entry = self._disk.get(key)
             if entry is None:
                 return
-            if not disk_io and entry.records is None:
-                raise OnDisk
-            self._lock.release()
-            try:
-                recs, tail = self._disk.load(entry)
-            except FileNotFoundError:
-                recs, tail = [], None  # gone meanwhile: look again
-            finally:
-                self._lock.acquire()
-            if key in self._seqs or self._disk.get(key) is not entry:
-                continue  # something changed while the lock was released
-            self._adopt(ns, key, entry, recs, tail)
+            loaded = self._disk.pending(entry)
+            if loaded is None:
+                if not disk_io:
+                    raise OnDisk
+                self._lock.release()
+                try:
+                    loaded = self._disk.load(entry)
+                except FileNotFoundError:
+                    continue  # gone meanwhile: look again
+                finally:
+                    self._lock.acquire()
+                if key in self._seqs or self._disk.get(key) is not entry:
+                    continue  # something changed while the lock was released
+            self._adopt(ns, key, entry, *loaded)
 
     def _adopt(self, ns: Namespace, key: tuple[str, SeqId], entry: Entry, recs: list[list[bytearray]],
                tail: np.ndarray | None) -> None:

@@ -38,6 +38,7 @@ def _serve(conn: Any, level: str, capacity: int, port: int, store_kwargs: dict[s
             conn.send(store.stats())
         elif cmd == "stop":
             server.stop()
+            store.close(persist=False)
             conn.send("stopped")
             return
 

@@ -174,6 +174,28 @@ def test_another_dtype_or_model_gets_no_hit(first: dict[str, Any], model_folder:
     assert out["cached"] == 0
 
 
+def test_blocks_spilled_to_disk_are_hit_without_any_change_in_the_engine(model_folder: Path, tmp_path: Path) -> None:
+    """A store whose memory holds about one block of this model at fp16 spills the prompt's earlier blocks to its
+    disk tier as it saves the later ones; the next request loads every block, those from disk included."""
+    srv = KvdServer(level="fp16", capacity_bytes=4 << 20, max_level="fp16", disk_path=str(tmp_path),
+                    disk_bytes=256 << 20)
+    eng = Engine(model_folder, srv.endpoint)
+    try:
+        miss = eng.generate(PROMPT)[0]
+        assert eng.ask({"flush": 30})["flushed"]
+        stats = srv.stats()
+        assert stats["spills"] >= 2 and stats["evictions"] == 0, stats
+        hit = eng.generate(PROMPT)[0]
+    finally:
+        eng.close()
+        stats = srv.stats()
+        srv.stop()
+    full_blocks = (len(miss["prompt_ids"]) - 1) // BLOCK
+    assert hit["cached"] == full_blocks * BLOCK  # vLLM's own prefix cache is off: every block came from kvd
+    assert hit["token_ids"] == miss["token_ids"]  # fp16 blocks, read back from disk bit-exact
+    assert stats["disk_hits"] >= 2 and stats["disk_reads"] >= 2
+
+
 def test_kvd_stopped_mid_run_the_engine_recomputes_and_answers(model_folder: Path) -> None:
     srv = KvdServer(level="fp16")
     eng = Engine(model_folder, srv.endpoint)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.cli.status import StatusMetrics, imbalance, serving_table, shard_table, status_line
+from kvd.cli.status import StatusMetrics, disk_table, imbalance, serving_table, shard_table, status_line
 
 
 def shard(level: str, pressure: float, **extra: object) -> dict:
@@ -15,6 +15,37 @@ def shard(level: str, pressure: float, **extra: object) -> dict:
         "capacity_bytes": 1000, "bytes_by_level": {"q8": 300, "q4": 200}, "tokens": 64, "sequences": 2,
         "recompressed_pages": 7, "evictions": 1, "refusals": 3, "server_requests_per_s": 12.0, **extra,
     }
+
+
+def disk_stats(tmp_path: Path) -> dict:
+    """A real store's stats with a disk tier that spilled (the keys the view reads are the store's own)."""
+    import numpy as np
+
+    from kvd.store import Store
+
+    s = Store(256 << 10, page_tokens=16, disk_path=str(tmp_path / "disk"), disk_bytes=8 << 20)
+    s.register("m", num_layers=2, num_kv_heads=2, head_dim=64)
+    for seq in range(30):
+        s.append("m", seq, np.ones((2, 40, 2, 64), np.float16), np.ones((2, 40, 2, 64), np.float16))
+    s.flush()
+    s.get("m", 0)
+    try:
+        return s.stats()
+    finally:
+        s.close(persist=False)
+
+
+def test_the_disk_table_shows_each_shards_disk_tier(tmp_path: Path) -> None:
+    stats = disk_stats(tmp_path)
+    assert stats["spills"] > 0 and stats["disk_reads"] == 1
+    out = shard_table([("shard-0", stats), ("shard-1", shard("q4", 0.9))])
+    assert "disk tier" in out
+    table = disk_table([("shard-0", {**stats, "disk_last_error": "write x: [Errno 28] No space left on device"}),
+                        ("shard-1", shard("q4", 0.9))])
+    head, _, row, note = table.splitlines()
+    assert head.split()[:3] == ["shard", "disk", "used"] and row.split()[0] == "shard-0"
+    assert str(stats["disk_sequences"]) in row.split() and "No space left" in note
+    assert disk_table([("shard-1", shard("q4", 0.9))]) == ""  # no disk tier: no table
 
 
 def test_the_table_shows_compactions_evictions_refusals_and_why_each_level() -> None:
@@ -99,17 +130,18 @@ def test_the_exporter_serves_each_shards_busy_replies_drops_cuts_and_queue() -> 
         metrics.close()
 
 
-def test_every_metric_the_exporter_serves_is_named_in_the_cluster_readme() -> None:
+def test_every_metric_the_exporter_serves_is_named_in_the_cluster_readme(tmp_path: Path) -> None:
     pytest.importorskip("prometheus_client")
+    disk = {k: v for k, v in disk_stats(tmp_path).items() if k.startswith(("disk", "spill", "promotions"))}
     readme = (Path(__file__).resolve().parents[2] / "cluster" / "README.md").read_text()
     metrics = StatusMetrics(0, "127.0.0.1")
     try:
         cluster = {"level": "q8", "level_epoch": 3, "pressure": 0.5, "topology_epoch": 2, "imbalance": 1.2,
                    "upgrades": 1, "downgrades": 0}
         metrics.update(cluster, {"shard-0": shard("q4", 0.9, ahead="q4", level_reason="full", squeezes=2,
-                                                  **SERVING)})
+                                                  **SERVING, **disk)})
         served = {smp.name for m in metrics.collect() for smp in m.samples}
     finally:
         metrics.close()
-    assert len(served) > 30
+    assert len(served) > 45 and "kvd_shard_disk_reads_total" in served
     assert sorted(name for name in served if f"`{name}" not in readme) == []

@@ -268,3 +268,28 @@ def test_a_drop_of_a_spilled_sequence_removes_its_file(tmp_path):
     with pytest.raises(UnknownSequence):
         s.length(NS, victim)
     s.close(persist=False)
+
+
+def test_a_shards_store_takes_its_disk_from_the_settings_and_fresh_empties_it_once(tmp_path):
+    """kvd.cluster.shard: disk_bytes over the shards, DIR/<namespace>/<shard id>, and `kvd up --fresh` empties a
+    disk once per deployment: a shard Ray restarts with the same arguments keeps what its disk holds by then."""
+    from kvd.cluster.shard import _open_store
+    from kvd.config import load_config
+
+    config = load_config(None, overrides={"cluster.disk_bytes": "64MiB", "cluster.disk_path": str(tmp_path),
+                                          "cluster.shards": 2, "cluster.memory_bytes": "2MiB"})
+    s = _open_store("shard-1", config, None)
+    assert s.stats()["disk_capacity_bytes"] == 32 << 20 and s.stats()["disk_path"] == str(tmp_path / "kvd" / "shard-1")
+    s.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
+    s.append(NS, 1, *kv(20, 1))
+    s.close()  # a clean stop: written out
+    s = _open_store("shard-1", config, "deploy-A")  # `kvd up --fresh`
+    assert s.stats()["disk_sequences"] == 0
+    s.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
+    s.append(NS, 2, *kv(20, 2))
+    s.close()
+    s = _open_store("shard-1", config, "deploy-A")  # Ray restarts the shard: same token, the disk stays
+    assert s.lengths(NS, [1, 2]) == [None, 20]
+    s.close(persist=False)
+    off = _open_store("shard-0", load_config(None, overrides={"cluster.memory_bytes": "2MiB"}), None)
+    assert off.stats()["disk_capacity_bytes"] == 0

@@ -266,6 +266,11 @@ class DiskTier:
         with self._lock:
             self._index.touch(key)
 
+    def pending(self, entry: Entry) -> Loaded | None:
+        """``entry``'s records and tail if it is still pending (in memory: no disk read needed), else None."""
+        with self._lock:
+            return None if entry.records is None else (entry.records, entry.tail)
+
     def load(self, entry: Entry) -> Loaded:
         """``entry``'s records per layer and its tail: from memory while pending, else read from its file and
         verified (every page's checksum, the trailers' digest, the formats the header lists). Raises
