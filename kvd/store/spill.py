@@ -21,6 +21,7 @@ no Ray, no ZeroMQ (the tier's file I/O is in :mod:`kvd.store.disk.files`).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,6 +38,10 @@ from kvd.store.disk.index import Entry
 from kvd.store.sequences import Namespace, Seq, SeqId
 
 __all__ = ["OnDisk", "Spilling"]
+
+log = logging.getLogger("kvd.store.disk")
+
+CLOSE_WAIT_S = 10.0  # at a stop, how long one sequence waits for room in the write buffer (a failing disk)
 
 
 class OnDisk(Exception):
@@ -91,7 +96,7 @@ class Spilling:
 
     # ------------------------------------------------------------------------------------------ spill
 
-    def _spill(self, seq: Seq, *, wait: bool = False) -> str | None:
+    def _spill(self, seq: Seq, *, wait_s: float = 0.0) -> str | None:
         """(Under the lock) hand ``seq`` to the disk tier and take it out of RAM. Returns None when spilled,
         else why not (then nothing changed)."""
         assert self._disk is not None
@@ -108,7 +113,7 @@ class Spilling:
             fmts=bytes(rec[-off] for recs in records for rec in recs), tail_fill=fill,
             trailers=trailers_digest(rec for recs in records for rec in recs), serial=0,
         )  # fmt: skip
-        why = self._disk.spill(header, records, tail, wait=wait)
+        why = self._disk.spill(header, records, tail, wait_s=wait_s)
         if why is None:
             self._remove(seq.key, pool=False)  # type: ignore[attr-defined]  (records now belong to the tier)
         return why
@@ -121,10 +126,13 @@ class Spilling:
             return
         with self._lock:
             if persist:
+                lost = 0
                 for key in list(self._seqs):
-                    why = self._spill(self._seqs[key], wait=True)
-                    if why is not None and why.startswith("the disk tier is closed"):
-                        break
+                    if self._spill(self._seqs[key], wait_s=CLOSE_WAIT_S) is not None:
+                        lost += 1
+                if lost:
+                    log.warning("disk tier: %d sequences held in memory could not be written out at the stop "
+                                "(%s)", lost, self._disk.stats()["disk_last_error"] or "the disk is full")
             self._disk.close(flush=True)
 
     def flush(self, timeout_s: float = 60.0) -> bool:

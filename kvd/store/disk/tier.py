@@ -183,18 +183,20 @@ class DiskTier:
             return self._index.get(key)
 
     def spill(self, header: fmt.SeqHeader, records: list[list[bytearray]], tail: np.ndarray | None, *,
-              wait: bool = False) -> str | None:
+              wait_s: float = 0.0) -> str | None:
         """Take a sequence out of RAM: ``records`` per layer (never written again), ``tail`` its hot tail's filled
         tokens ``[2, L, fill, H, D]`` (a copy). Returns None when taken, else why not (nothing changed).
-        ``wait``: wait for room in the write buffer instead of refusing (a shard stopping)."""
+        ``wait_s``: wait up to that long for room in the write buffer (or a failing disk) instead of refusing at
+        once (a shard stopping)."""
         key = (header.namespace, header.seq_id)
+        deadline = time.monotonic() + wait_s
         with self._cv:
             header = dataclasses.replace(header, serial=self._serial)
             head = fmt.encode_header(header)
             nbytes = len(head) + header.body_bytes()
             while True:
                 why = self._spill_refusal(nbytes)
-                if why is None or not wait or self._closed or why.startswith("larger"):
+                if why is None or self._closed or time.monotonic() >= deadline:
                     break
                 self._cv.wait(0.1)
             if why is None:
