@@ -11,6 +11,10 @@ child process whose level is switched between phases. "recompute": prompts whose
 TTFT = wall time of ``generate(max_tokens=1)``; medians over the rounds, which interleave the cases; saves are
 flushed after every request.
 
+--disk adds "kvd disk <level>" for each level: a prompt stored at that level whose blocks the shard then moves to
+its disk tier (a directory under /var/tmp), with the page cache of their files dropped before every round, so
+each such hit reads the blocks back from the disk.
+
 --floor adds an engine with vLLM's own prefix cache on and no connector, the same prompt asked every round: a
 hit that loads nothing (the same forward pass over the uncached tail), so TTFT minus it is what each store adds.
 
@@ -58,6 +62,7 @@ def _shard_server_class() -> Any:
 
 def _serve(conn: Any, level: str, store_kwargs: dict[str, Any]) -> None:
     from kvd.store import Store
+    from kvd.store.disk import files
 
     store = Store(2 << 30, **store_kwargs)
     store.set_level(level, 1)
@@ -66,14 +71,31 @@ def _serve(conn: Any, level: str, store_kwargs: dict[str, Any]) -> None:
     server = _shard_server_class()(store, shard_id="bench-0", compact_budget_bytes=0)
     conn.send(server.start())
     epoch = 1
+    marked: set[Any] = set()
     while True:
         cmd = conn.recv()
         if cmd == "stop":
             server.stop()
+            store.close(persist=False)
             conn.send("stopped")
             return
-        epoch += 1
-        conn.send(store.set_level(cmd, epoch))
+        if cmd == "mark":  # remember the sequences held now
+            marked = set(store._seqs)  # noqa: SLF001 - the bench's own shard
+            conn.send(len(marked))
+        elif cmd == "spill":  # move every sequence stored since the mark to disk
+            with store._lock:  # noqa: SLF001
+                new = [seq for key, seq in store._seqs.items() if key not in marked]  # noqa: SLF001
+                for seq in new:
+                    store._spill(seq, wait_s=60)  # noqa: SLF001
+            store.flush()
+            conn.send(len(new))
+        elif cmd == "drop_cache":  # the next reads of spilled blocks come from the disk, not the page cache
+            for path, _ in files.scan(store.stats()["disk_path"]):
+                files.drop_cache(path)
+            conn.send(True)
+        else:
+            epoch += 1
+            conn.send(store.set_level(cmd, epoch))
 
 
 class Server:
@@ -85,8 +107,11 @@ class Server:
         self.endpoint: str = self._conn.recv()
 
     def set_level(self, level: str) -> None:
-        self._conn.send(level)
-        self._conn.recv()
+        self.ask(level)
+
+    def ask(self, cmd: str) -> Any:
+        self._conn.send(cmd)
+        return self._conn.recv()
 
     def stop(self) -> None:
         self._conn.send("stop")
@@ -225,7 +250,8 @@ def ttft(args: argparse.Namespace) -> None:
     from kvd.integrations.model import build_model_folder
 
     model = str(build_model_folder(args.cache))
-    server = Server("fp16")
+    disk_dir = tempfile.mkdtemp(prefix="kvd-engines-disk-", dir="/var/tmp") if args.disk else None
+    server = Server("fp16", **({"disk_path": disk_dir, "disk_bytes": 8 << 30} if disk_dir else {}))
     kvd = Engine(model, "kvd", {"kvd_endpoint": server.endpoint, "kvd_format": args.format})
     print(f"engine start, kvd connector: {kvd.start_s:.1f} s")
     mooncake = mc_engine = None
@@ -250,6 +276,14 @@ def ttft(args: argparse.Namespace) -> None:
         kvd.once(stored[level])
     cases: dict[str, tuple[Engine, Any]] = {"recompute": (kvd, None), **{f"kvd {lv}": (kvd, stored[lv])
                                                                           for lv in levels}}
+    if disk_dir is not None:
+        for level in levels:
+            server.set_level(level)
+            server.ask("mark")
+            stored[f"disk {level}"] = prompt(f"stored-disk-{level}")
+            kvd.once(stored[f"disk {level}"])
+            print(f"kvd disk {level}: {server.ask('spill')} blocks moved to disk")
+            cases[f"kvd disk {level}"] = (kvd, stored[f"disk {level}"])
     if mc_engine is not None:
         mc_engine.once(prompt("warm-up"))
         stored["mooncake"] = prompt("stored-mooncake")
@@ -265,6 +299,8 @@ def ttft(args: argparse.Namespace) -> None:
     times: dict[str, list[tuple[float, int]]] = {name: [] for name in cases}
     for r in range(args.rounds):
         for name, (eng, ids) in cases.items():
+            if name.startswith("kvd disk"):
+                server.ask("drop_cache")
             times[name].append(eng.once(ids if ids is not None else prompt(f"miss-{r}")))
     rows = [(name, statistics.median(t for t, _ in ts), min(c for _, c in ts)) for name, ts in times.items()]
     base = rows[0][1]
@@ -299,6 +335,8 @@ def ttft(args: argparse.Namespace) -> None:
         mc_engine.stop()
         mooncake.stop()
     server.stop()
+    if disk_dir is not None:
+        shutil.rmtree(disk_dir, ignore_errors=True)
 
 
 # ---- quality ----------------------------------------------------------------------------------------------------
@@ -399,6 +437,7 @@ def main() -> int:
     t.add_argument("--mooncake", action="store_true",
                    help="also Mooncake Store through vLLM's MooncakeStoreConnector (mooncake_master on 127.0.0.1)")
     t.add_argument("--mooncake-mode", default="standalone-store", choices=("standalone-store", "embedded"))
+    t.add_argument("--disk", action="store_true", help="add prompts served from the shard's disk tier")
     t.add_argument("--floor", action="store_true",
                    help="also an engine with vLLM's own prefix cache and no connector: the same hit with no load, "
                         "so each store's load overhead (TTFT minus that floor) is printed")

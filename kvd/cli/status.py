@@ -110,7 +110,8 @@ def disk_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
         if not isinstance(s, dict) or not s.get("disk_capacity_bytes"):
             continue
         levels = " ".join(f"{k}:{fmt_bytes(v)}" for k, v in sorted((s.get("disk_bytes_by_level") or {}).items()))
-        rows.append([sid, fmt_bytes(s.get("disk_used_bytes")), fmt_bytes(s.get("disk_capacity_bytes")), levels or "-",
+        rows.append([sid, fmt_bytes(s.get("disk_used_bytes")), fmt_bytes(s.get("disk_capacity_bytes")),
+                     levels or "-",
                      s.get("disk_sequences", "-"), s.get("disk_tokens", "-"), s.get("spills", "-"),
                      s.get("spill_refusals", "-"), s.get("disk_reads", "-"), s.get("disk_evictions", "-"),
                      s.get("disk_errors", "-")])
@@ -264,7 +265,8 @@ class StatusMetrics:
             "spilled_bytes": CounterMetricFamily("kvd_shard_spilled_bytes", "Bytes moved from memory to disk",
                                                  labels=["shard"]),
             "spill_refusals": CounterMetricFamily("kvd_shard_spill_refusals", "Spills the disk refused (full "
-                                                  "write buffer, failing disk, over its budget)", labels=["shard"]),
+                                                  "write buffer, failing disk, over its budget)",
+                                                  labels=["shard"]),
             "disk_reads": CounterMetricFamily("kvd_shard_disk_reads", "Spilled sequences read back from their "
                                               "files", labels=["shard"]),
             "disk_read_bytes": CounterMetricFamily("kvd_shard_disk_read_bytes", "Bytes read back from disk",

@@ -177,7 +177,8 @@ def _disk_placement(sids: list[str]) -> dict[str, Any]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = sorted(alive, key=lambda n: (n["NodeManagerAddress"], n["NodeID"]))
     return {sid: NodeAffinitySchedulingStrategy(nodes[i % len(nodes)]["NodeID"], soft=False)
             for i, sid in enumerate(sids)}
 

@@ -216,9 +216,9 @@ class ClusterSettings:
     )
     shard_cpus: float = _setting(1.0, number_in(0.0, 1024.0), "logical CPUs Ray reserves per shard (0 = none)")
     disk_bytes: int = _setting(
-        0, size_at_least(MIB, or_zero=True), "total disk over all shards for the disk tier: when memory is full at the "
-        "most compact level, whole sequences move to disk instead of being forgotten, and a restarted shard serves "
-        "them (0 = off, the default of `kvd up`: a quick start writes nothing to disk)"
+        0, size_at_least(MIB, or_zero=True), "total disk over all shards for the disk tier: when memory is full "
+        "at the most compact level, whole sequences move to disk instead of being forgotten, and a restarted "
+        "shard serves them (0 = off, the default of `kvd up`: a quick start writes nothing to disk)"
     )
     disk_path: str = _setting(
         "~/.cache/kvd", text_value, "directory of the disk tier on each node (a local disk); shard files go under "

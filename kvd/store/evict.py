@@ -45,7 +45,7 @@ class Eviction:
     max_level: Level
     _disk: DiskTier | None
     _spill_overflows: int
-    _spill: Callable[[Seq], str | None]
+    _spill: Callable[..., str | None]
 
     def _admit(
         self, need: int, seq: Seq | None, key: tuple[str, SeqId], t: int, validate: Callable[[], None]

@@ -70,6 +70,7 @@ class Spilling:
     _can_squeeze: Callable[[], bool]
     _squeeze: Callable[[int], bool]
     _make_room: Callable[..., None]
+    _remove: Callable[..., None]
     register: Callable[..., None]
 
     # ------------------------------------------------------------------------------------------ recovery
@@ -85,8 +86,8 @@ class Spilling:
         if h.page_tokens != self.page_tokens:
             return f"stored with page_tokens {h.page_tokens}, this store has {self.page_tokens}"
         if h.raw_heads != self.raw_heads or h.raw_layers != self.raw_layers:
-            return (f"stored with raw_layers {list(h.raw_layers)} and raw_heads {list(h.raw_heads)}, this store has "
-                    f"{list(self.raw_layers)} and {list(self.raw_heads)}")
+            return (f"stored with raw_layers {list(h.raw_layers)} and raw_heads {list(h.raw_heads)}, this store "
+                    f"has {list(self.raw_layers)} and {list(self.raw_heads)}")
         layers, heads, dim = h.layout
         try:
             self.register(h.namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim)
@@ -105,7 +106,7 @@ class Spilling:
         records = [list(recs) for recs in seq.pages]
         rows = len(records[0])
         fill = seq.length - rows * self.page_tokens
-        tail = seq.tail[:, :, :fill].copy() if fill else None
+        tail = seq.tail[:, :, :fill].copy() if fill and seq.tail is not None else None
         header = SeqHeader(
             namespace=ns.name, layout=(ns.layers, ns.heads, ns.head_dim), page_tokens=self.page_tokens,
             raw_layers=self.raw_layers, raw_heads=self.raw_heads, seq_id=seq.key[1], position=seq.position,
@@ -115,7 +116,7 @@ class Spilling:
         )  # fmt: skip
         why = self._disk.spill(header, records, tail, wait_s=wait_s)
         if why is None:
-            self._remove(seq.key, pool=False)  # type: ignore[attr-defined]  (records now belong to the tier)
+            self._remove(seq.key, pool=False)  # the records now belong to the tier
         return why
 
     def close(self, *, persist: bool = True) -> None:
@@ -212,11 +213,12 @@ class Spilling:
             while self._squeeze(need):  # compress before spilling or forgetting others
                 if self._ledger.used + need <= self.capacity_bytes or not self._can_squeeze():
                     break
+        disk = self._disk
+        assert disk is not None
+        disk.touch(key)  # spilling others to make room evicts this one from a full disk last
         if self._admit(need, None, key, h.length, lambda: None):
             self._make_room(need, key)
-        if self._disk.get(key) is not entry:  # type: ignore[union-attr]  (making room may have spilled it over)
-            return
-        self._disk.remove(key)  # type: ignore[union-attr]
+        disk.remove(key)  # (if the full disk forgot it meanwhile, the records read are still here)
         self._promotions += 1
         seq = Seq(ns, key, h.position, h.sink_rows)
         seq.pages = [list(layer) for layer in recs]

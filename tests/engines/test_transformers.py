@@ -123,3 +123,31 @@ def test_another_model_id_does_not_see_the_stored_prefix(model: tuple[Any, Any],
     assert KvdCache.for_prompt(client, m.config, a).loaded_tokens > 0
     assert KvdCache.for_prompt(client, m.config, a, model_id="another-model").loaded_tokens == 0
     assert KvdCache.for_prompt(client, m.config, a, dtype=torch.bfloat16).loaded_tokens == 0
+
+
+def test_a_conversation_spilled_to_disk_resumes_and_grows(model: tuple[Any, Any], tmp_path: Path) -> None:
+    """A store whose memory holds about one conversation: saving a second one moves the first to its disk tier.
+    Resuming the first reads it back from disk, and saving it again (an append) takes it back into memory."""
+    m, tok = model
+    srv = KvdServer(level="fp16", capacity_bytes=4 << 20, max_level="fp16", disk_path=str(tmp_path),
+                    disk_bytes=256 << 20)
+    try:
+        with Client(srv.endpoint) as kv:
+            ids = ids_of(tok, SYSTEM + "Question: who kept the ledgers?")
+            want = greedy(m, ids, DynamicCache(config=m.config), 40)
+            first = KvdCache(kv, m.config)
+            part = greedy(m, ids, first, 20)
+            first.save("conversation-a")
+            second = KvdCache(kv, m.config)
+            greedy(m, ids_of(tok, SYSTEM + "Question: what did the boats carry?"), second, 20)
+            second.save("conversation-b")
+            assert srv.stats()["spills"] >= 1
+            assert kv.explain(first.namespace, "conversation-a", 0, 0)["reasons"][0].startswith("on disk")
+            resumed = KvdCache.resume(kv, m.config, "conversation-a")
+            out = greedy(m, part, resumed, 20)
+            assert torch.equal(out, want)
+            assert resumed.save("conversation-a") == out.shape[1] - 1
+            stats = srv.stats()
+            assert stats["disk_hits"] >= 1 and stats["promotions"] == 1 and stats["evictions"] == 0
+    finally:
+        srv.stop()

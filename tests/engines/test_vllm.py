@@ -174,7 +174,8 @@ def test_another_dtype_or_model_gets_no_hit(first: dict[str, Any], model_folder:
     assert out["cached"] == 0
 
 
-def test_blocks_spilled_to_disk_are_hit_without_any_change_in_the_engine(model_folder: Path, tmp_path: Path) -> None:
+def test_blocks_spilled_to_disk_are_hit_without_any_change_in_the_engine(model_folder: Path,
+                                                                         tmp_path: Path) -> None:
     """A store whose memory holds about one block of this model at fp16 spills the prompt's earlier blocks to its
     disk tier as it saves the later ones; the next request loads every block, those from disk included."""
     srv = KvdServer(level="fp16", capacity_bytes=4 << 20, max_level="fp16", disk_path=str(tmp_path),

@@ -45,10 +45,14 @@ WRITER = textwrap.dedent("""
     first = {first}
     print("ready", flush=True)
     lens = {{}}
+    told = False
     for n in range(first, first + 100000):
         k, v = full(n)
         s.append(NS, n, k[:, :40], v[:, :40])
         lens[n] = 40
+        if not told and s.stats()["disk_writes"]:
+            print("spilling", flush=True)
+            told = True
         old = n - 1 - (n * 7919) % min(n - first + 1, 25)
         if old in lens and lens[old] + 30 <= FULL:
             k, v = full(old)
@@ -83,8 +87,9 @@ def test_sigkill_at_any_moment_never_makes_a_sequence_wrong(tmp_path, level):
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready", proc.stderr.read()
+            assert proc.stdout.readline().strip() == b"spilling", proc.stderr.read()  # type: ignore[union-attr]
             try:
-                proc.wait(timeout=rnd.uniform(0.3, 1.5))
+                proc.wait(timeout=rnd.uniform(0.05, 1.0))
                 pytest.fail(f"the writer ended by itself: {proc.stderr.read()!r}")  # type: ignore[union-attr]
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGKILL)

@@ -69,7 +69,8 @@ def test_full_store_spills_instead_of_forgetting_and_reads_back_bit_exact(tmp_pa
         assert np.array_equal(k, rk) and np.array_equal(v, rv), i
         got = s.get_pages(NS, i, 5, 60, layers=[1])
         want = ref.get_pages(NS, i, 5, 60, layers=[1])
-        assert [(a, b, bytes(c), bytes(d)) for a, b, c, d in got] == [(a, b, bytes(c), bytes(d)) for a, b, c, d in want]
+        assert [(a, b, bytes(c), bytes(d)) for a, b, c, d in got] == \
+            [(a, b, bytes(c), bytes(d)) for a, b, c, d in want]
     assert s.stats()["disk_hits"] > 0 and s.stats()["disk_reads"] > 0
     s.close(persist=False)
 
@@ -83,7 +84,8 @@ def test_spilled_pages_are_stored_at_their_level(tmp_path):
     assert st["disk_bytes_by_level"].keys() <= {"fp16", "q4"} and st["disk_bytes_by_level"]["q4"] > 0
     on_disk = [i for i in range(30) if s.explain(NS, i, 1, 40)["reasons"][0].startswith("on disk")]
     assert on_disk and s.explain(NS, on_disk[0], 1, 40)["level"] == "q4"
-    assert s.explain(NS, on_disk[0], 0, 0)["level"] == "fp16" and "sink" in s.explain(NS, on_disk[0], 0, 0)["reasons"]
+    first = s.explain(NS, on_disk[0], 0, 0)
+    assert first["level"] == "fp16" and "sink" in first["reasons"]
     s.close(persist=False)
 
 
@@ -279,7 +281,8 @@ def test_a_shards_store_takes_its_disk_from_the_settings_and_fresh_empties_it_on
     config = load_config(None, overrides={"cluster.disk_bytes": "64MiB", "cluster.disk_path": str(tmp_path),
                                           "cluster.shards": 2, "cluster.memory_bytes": "2MiB"})
     s = _open_store("shard-1", config, None)
-    assert s.stats()["disk_capacity_bytes"] == 32 << 20 and s.stats()["disk_path"] == str(tmp_path / "kvd" / "shard-1")
+    st = s.stats()
+    assert st["disk_capacity_bytes"] == 32 << 20 and st["disk_path"] == str(tmp_path / "kvd" / "shard-1")
     s.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
     s.append(NS, 1, *kv(20, 1))
     s.close()  # a clean stop: written out

@@ -137,18 +137,20 @@ def parse_header(body: bytes, digest: int) -> SeqHeader:
     if xxhash.xxh3_64_intdigest(body) != digest:
         raise CorruptPage("spill file header checksum mismatch: the file was damaged")
     try:
-        m = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=1 << 16, max_bin_len=MAX_HEADER_BYTES,
-                            max_array_len=1 << 16, max_map_len=64, max_ext_len=0)
+        m = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=1 << 16,
+                            max_bin_len=MAX_HEADER_BYTES, max_array_len=1 << 16, max_map_len=64, max_ext_len=0)
     except Exception as exc:  # noqa: BLE001 - any msgpack failure is a damaged header
         raise CorruptPage(f"spill file header does not decode: {exc}") from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CorruptPage(f"spill file header of an unknown format: {m.get('format') if isinstance(m, dict) else m!r}")
+        got = m.get("format") if isinstance(m, dict) else m
+        raise CorruptPage(f"spill file header of an unknown format: {got!r}")
     layout = _ints(m, "layout")
     seq_id = m.get("seq_id")
     ns = m.get("namespace")
     fmts = m.get("fmts")
     if len(layout) != 3 or min(layout) < 1 or not isinstance(ns, str) or not ns \
-            or not (isinstance(seq_id, str) or (type(seq_id) is int and seq_id >= 0)) or not isinstance(fmts, bytes):
+            or not (isinstance(seq_id, str) or (type(seq_id) is int and seq_id >= 0)) \
+            or not isinstance(fmts, bytes):
         raise CorruptPage("spill file header: bad namespace, layout, seq_id or fmts")
     h = SeqHeader(
         namespace=ns, layout=(layout[0], layout[1], layout[2]), page_tokens=_int(m, "page_tokens", 1),

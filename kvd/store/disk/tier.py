@@ -68,8 +68,9 @@ class DiskTier:
     ``allow_evict``: remove least recently used files when the budget is full (the store's ``eviction="lru"``);
     else a spill that does not fit is refused. Raises ConfigError for a directory it cannot use."""
 
-    def __init__(self, directory: str, capacity_bytes: int, *, write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES,
-                 fresh: bool = False, allow_evict: bool = True) -> None:
+    def __init__(self, directory: str, capacity_bytes: int, *,
+                 write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES, fresh: bool = False,
+                 allow_evict: bool = True) -> None:
         if capacity_bytes < 1:
             raise ConfigError(f"disk capacity must be positive, got {capacity_bytes}")
         self.directory = os.path.abspath(directory)
@@ -133,11 +134,11 @@ class DiskTier:
         self._serial = found[-1].header.serial + 1 if found else 0
         victims = self._index.victims(0) or []  # a smaller budget than the last run's: the coldest go
         for key in victims:
-            entry = self._index.remove(key)
-            assert entry is not None
-            files.remove(entry.path)
+            gone = self._index.remove(key)
+            assert gone is not None
+            files.remove(gone.path)
             self.counters["disk_evictions"] += 1
-            self.counters["disk_evicted_tokens"] += entry.length
+            self.counters["disk_evicted_tokens"] += gone.length
         self.counters["recovered_sequences"] = len(self._index)
         self.counters["recovered_bytes"] = self._index.used_bytes
         self.recovery_s = time.perf_counter() - t0
@@ -363,10 +364,11 @@ class DiskTier:
                     return
                 op, item = self._queue.popleft()
                 if op == "write":
-                    if self._index.get(item.key) is not item:
+                    entry: Entry = item
+                    if self._index.get(entry.key) is not entry or entry.records is None:
                         continue  # dropped or evicted while pending
-                    chunks = [item.head, *(r for recs in item.records for r in recs)]
-                    tail = item.tail
+                    chunks = [entry.head, *(r for recs in entry.records for r in recs)]
+                    tail = entry.tail
                 self._busy = True
             try:
                 if op == "unlink":
