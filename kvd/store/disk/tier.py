@@ -77,7 +77,8 @@ class DiskTier:
         try:
             self._lock_fd = files.lock_dir(self.directory)
         except BlockingIOError:
-            raise ConfigError(f"disk path {self.directory} is in use by another kvd process") from None
+            raise ConfigError(f"disk path {self.directory} is in use by another store (a kvd shard of this or "
+                              "another process): one directory per shard") from None
         except OSError as exc:
             raise ConfigError(f"disk path {self.directory} cannot be used: {exc}") from None
         if fresh:
