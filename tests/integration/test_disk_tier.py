@@ -19,6 +19,7 @@ from kvd.cluster.deploy import wait_until
 
 # a sibling test module (pytest puts this directory on sys.path): the `kvd up` process helper
 from test_cli import Running, free_port, kvd  # isort: skip
+from test_cli_up import process_tree  # isort: skip
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +60,8 @@ def test_a_kvd_with_a_disk_spills_serves_and_comes_back_warm(tmp_path: Path) -> 
                        for seq in range(40))
             explain = client.explain(NS, 0, 1, 100)
             assert explain["reasons"][0].startswith("on disk"), explain
-            shard_pid = int(stats["pid"])
+            shard_pid = _shard_pid(run)
+            incarnation = stats["incarnation"]
 
         status = kvd("status", "--address", endpoint, "--json")
         assert status.returncode == 0, status.stderr
@@ -79,7 +81,7 @@ def test_a_kvd_with_a_disk_spills_serves_and_comes_back_warm(tmp_path: Path) -> 
         os.kill(shard_pid, signal.SIGKILL)
         with Client(endpoint) as client:
             def served() -> bool:
-                return int(client.shard_stats()[0]["pid"]) != shard_pid and client.length(NS, 0) == 200
+                return client.shard_stats()[0]["incarnation"] != incarnation and client.length(NS, 0) == 200
 
             wait_until(served, timeout_s=120, what="the restarted shard to serve its disk")
             stats = client.shard_stats()[0]
@@ -105,6 +107,18 @@ def test_a_kvd_with_a_disk_spills_serves_and_comes_back_warm(tmp_path: Path) -> 
             assert client.shard_stats()[0]["disk_sequences"] == 0
     finally:
         run.stop()
+
+
+def _shard_pid(run: Running) -> int:
+    """The pid of the shard actor's process, among those of this `kvd up` (Ray names it after the actor)."""
+    for pid in process_tree(run.proc.pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if cmdline.startswith(b"ray::Shard"):
+            return pid
+    raise AssertionError("no shard process found under the kvd up process")
 
 
 def _get(client: Client, seq: int) -> np.ndarray:
