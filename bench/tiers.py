@@ -11,8 +11,9 @@ disk reads run, and a warm restart after SIGKILL. In-process stores on the machi
    (q4), i.e. RAM alone's q4 tokens x (R + D) / R.
 2. Bandwidth: one spilled 256-token sequence of the 7B-class layout read back from its file with the page cache
    dropped (posix_fadvise DONTNEED after fsync), the tier's verified read alone (pread into page records + every
-   page's checksum) and a whole get (read + decode to fp16), against a raw sequential read of a file of the same
-   size on the same filesystem, dropped the same way, in the same run; medians of repetitions. Also in fp16-
+   page's checksum, as a pages get needs) and a whole fp16 get (read + decode, which checks each page as it
+   decodes it), against a raw sequential read of a file of the same size on the same filesystem into a new
+   buffer, dropped the same way, in the same run; medians of repetitions. Also in fp16-
    equivalent bytes (what the read delivers / time). Spill writes: N sequences spilled and flushed then
    fsynced, against writing the same bytes as N files and fsyncing them.
 3. No head-of-line blocking: one thread makes decode-step appends (one token, every layer) to a sequence held in
@@ -120,9 +121,10 @@ def capacity(args: argparse.Namespace, root: str) -> None:
 # ------------------------------------------------------------------------------------------------ bandwidth
 
 def _raw_read(path: str, nbytes: int) -> float:
-    buf = bytearray(nbytes)
+    """A raw sequential read of ``path`` into a new buffer (as the tier reads into new page records)."""
     files.drop_cache(path)
     t0 = time.perf_counter()
+    buf = bytearray(nbytes)
     files.read_into(path, 0, [buf])
     return time.perf_counter() - t0
 

@@ -87,6 +87,7 @@ import numpy as np
 from kvd.codec import batch as page_batch
 from kvd.errors import (
     ConfigError,
+    CorruptPage,
     InvalidArgument,
     LayoutMismatch,
     UnknownNamespace,
@@ -725,9 +726,16 @@ class Store(Compaction, Eviction, Spilling):
         """Run ``read(view, *args)`` without the lock (the caller has released it), then end the read. ``entry``:
         the view is of a spilled sequence, whose pages are loaded first."""
         try:
-            if entry is not None:
-                self._disk_view(entry, view)
-            return read(view, *args)
+            if entry is None:
+                return read(view, *args)
+            decoded = read is store_seq.read_into
+            self._disk_view(entry, view, decoded=decoded)
+            try:
+                return read(view, *args)
+            except CorruptPage as exc:
+                if not decoded:
+                    raise
+                raise self._disk_damaged(entry, exc) from None
         finally:
             with self._lock:
                 self._readers -= 1

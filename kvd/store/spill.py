@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.errors import LayoutMismatch, UnknownSequence
+from kvd.errors import CorruptPage, LayoutMismatch, UnknownSequence
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.store.disk import DiskTier
@@ -162,16 +162,24 @@ class Spilling:
         self._disk_hits += 1
         self._disk.touch(entry.key)  # type: ignore[union-attr]
 
-    def _disk_view(self, entry: Entry, view: store_seq.SeqView) -> store_seq.SeqView:
+    def _disk_view(self, entry: Entry, view: store_seq.SeqView, *, decoded: bool) -> store_seq.SeqView:
         """(Without the lock) fill ``view`` with ``entry``'s pages, read from disk and verified, unless
-        :meth:`_disk_stub` found them in memory."""
+        :meth:`_disk_stub` found them in memory. ``decoded``: the caller decodes every page it reads, which
+        checks each page's checksum (then a CorruptPage it raises goes to :meth:`_disk_damaged`), so the load
+        does not check them twice; pages sent as they are (``get_pages``) are checked here."""
         if view.pages:
             return view
         try:
-            view.pages, view.tail = self._disk.load(entry)  # type: ignore[union-attr]
+            view.pages, view.tail = self._disk.load(entry, verify_pages=not decoded)  # type: ignore[union-attr]
         except FileNotFoundError:  # dropped or evicted from disk since the lookup
             raise UnknownSequence(f"no sequence {entry.key[1]!r} in namespace {entry.key[0]!r}") from None
         return view
+
+    def _disk_damaged(self, entry: Entry, exc: CorruptPage) -> CorruptPage:
+        """A page of ``entry`` failed its check as it was decoded: the file is dropped; the error to raise."""
+        self._disk.discard(entry)  # type: ignore[union-attr]
+        return CorruptPage(f"sequence {entry.key[1]!r} of {entry.key[0]!r} on disk is damaged ({exc}); it was "
+                           "dropped")
 
     # ------------------------------------------------------------------------------------------ promotion
 

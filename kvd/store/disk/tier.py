@@ -261,9 +261,10 @@ class DiskTier:
             return self._forget(key)
 
     def discard(self, entry: Entry) -> None:
-        """Remove ``entry`` if it is still the current one for its key (a damaged file)."""
+        """Remove ``entry`` if it is still the current one for its key (a damaged file), counting it."""
         with self._cv:
             if self._index.get(entry.key) is entry:
+                self.counters["disk_corrupt"] += 1
                 self._forget(entry.key)
 
     def touch(self, key: Key) -> None:
@@ -275,11 +276,12 @@ class DiskTier:
         with self._lock:
             return None if entry.records is None else (entry.records, entry.tail)
 
-    def load(self, entry: Entry) -> Loaded:
+    def load(self, entry: Entry, *, verify_pages: bool = True) -> Loaded:
         """``entry``'s records per layer and its tail: from memory while pending, else read from its file and
-        verified (every page's checksum, the trailers' digest, the formats the header lists). Raises
-        CorruptPage (the entry is then removed), DiskError for an I/O error, FileNotFoundError if the entry
-        was removed meanwhile. Run it without the store's lock: it reads the file."""
+        verified (the trailers' digest, the formats the header lists, and with ``verify_pages`` every page's
+        checksum; a caller that decodes every page, which checks it, passes False and calls :meth:`discard`
+        on CorruptPage). Raises CorruptPage (the entry is then removed), DiskError for an I/O error,
+        FileNotFoundError if the entry was removed meanwhile. Run it without the store's lock: it reads."""
         with self._lock:
             records, tail = entry.records, entry.tail
         if records is not None:
@@ -295,7 +297,7 @@ class DiskTier:
                 files.read_into(entry.path, entry.offset, recs + tail_bufs)
             except EOFError as exc:
                 raise CorruptPage(str(exc)) from None
-            out = _verified(h, recs, tail_bufs)
+            out = _verified(h, recs, tail_bufs, verify_pages)
         except FileNotFoundError:
             raise
         except OSError as exc:
@@ -304,8 +306,6 @@ class DiskTier:
                 self.last_error = f"read {entry.path}: {exc}"
             raise DiskError(f"reading sequence {h.seq_id!r} of {h.namespace!r} from {entry.path}: {exc}") from None
         except CorruptPage as exc:
-            with self._lock:
-                self.counters["disk_corrupt"] += 1
             self.discard(entry)
             raise CorruptPage(f"sequence {h.seq_id!r} of {h.namespace!r} on disk is damaged ({exc}); it was "
                               "dropped") from None
@@ -418,8 +418,9 @@ class DiskTier:
         files.remove(entry.path)  # dropped while it was being written (a newer write of the key comes later)
 
 
-def _verified(h: fmt.SeqHeader, recs: list[bytearray], tail_bufs: list[bytearray]) -> Loaded:
-    """Check what was read against the header; the records per layer and the tail as an array."""
+def _verified(h: fmt.SeqHeader, recs: list[bytearray], tail_bufs: list[bytearray], verify_pages: bool) -> Loaded:
+    """Check what was read against the header (and every page's own checksum if ``verify_pages``); the records
+    per layer and the tail as an array (its pages are checked as they are decoded)."""
     if fmt.trailers_digest(recs) != h.trailers:
         raise CorruptPage("page trailers do not match the header's digest")
     off = fmt.TRAILER_BYTES - 27  # the current format byte, from the record's end (kvd.store.pool)
@@ -427,7 +428,7 @@ def _verified(h: fmt.SeqHeader, recs: list[bytearray], tail_bufs: list[bytearray
         if rec[len(rec) - off] != code:
             raise CorruptPage("a page's format is not the one the header lists")
     layers, heads, dim = h.layout
-    for rec, code in zip(recs, h.fmts, strict=True):
+    for rec, code in zip(recs, h.fmts, strict=True) if verify_pages else ():
         f = pages.LEVELS[code]
         rh = () if f == "fp16" else h.raw_heads
         kb = pages.nbytes(f, h.page_tokens, heads, dim, role="key", raw_heads=rh)
