@@ -129,8 +129,8 @@ def test_a_conversation_spilled_to_disk_resumes_and_grows(model: tuple[Any, Any]
     """A store whose memory holds about one conversation: saving a second one moves the first to its disk tier.
     Resuming the first reads it back from disk, and saving it again (an append) takes it back into memory."""
     m, tok = model
-    srv = KvdServer(level="fp16", capacity_bytes=4 << 20, max_level="fp16", disk_path=str(tmp_path),
-                    disk_bytes=256 << 20)
+    srv = KvdServer(level="fp16", capacity_bytes=8 << 20, max_level="fp16", disk_path=str(tmp_path),
+                    disk_bytes=256 << 20)  # a 219-token conversation of this model takes 5.9 MB at fp16
     try:
         with Client(srv.endpoint) as kv:
             ids = ids_of(tok, SYSTEM + "Question: who kept the ledgers?")
