@@ -4,8 +4,8 @@
 endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--address auto`` joins a running
 Ray cluster instead. Settings: defaults < ``--config`` TOML < ``KVD_*`` environment < flags (kvd.config).
 ``kvd status`` and ``kvd bench`` talk to the coordinator's ZeroMQ endpoint like any client; ``kvd down``
-stops a kvd through the process that runs it (embedded) or through Ray (``--address``). What the status
-table, the live line and the Prometheus exporter show is drawn by kvd.cli.status.
+stops a kvd through the process that runs it (embedded) or through Ray (``--address``). The status table and
+the live line are drawn by kvd.cli.status, the Prometheus exporter is kvd.cluster.metrics.
 
 This module holds the parser and the small verbs; ``up``/``down`` live in kvd.cli.up, ``ping`` in kvd.cli.ping,
 and what they all share in kvd.cli.common.

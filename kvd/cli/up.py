@@ -24,7 +24,8 @@ from kvd.cli.common import (
     _say,
     _Stop,
 )
-from kvd.cli.status import StatusMetrics, fmt_bytes, status_line
+from kvd.cli.status import fmt_bytes, status_line
+from kvd.cluster.metrics import StatusMetrics
 from kvd.config.settings import (
     Config,
     claim_run_file,
