@@ -14,6 +14,7 @@ and what they all share in kvd.cli.common.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -137,11 +138,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvd",
         description="kvd: a distributed cache for the attention KV cache of LLM inference.",
         epilog="Start with `kvd up`; `kvd VERB --help` explains each verb.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    # No abbreviated flags (`--mem` for --memory, `--shard` for --shards): a typo or a future flag must not
+    # silently become another one. Every verb's parser is made with the same switch.
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    add_verb = functools.partial(verbs.add_parser, allow_abbrev=False)
 
-    up = verbs.add_parser(
+    up = add_verb(
         "up", help="start kvd (embedded Ray by default) and show its status",
         description="Start a coordinator and shards, print the client endpoint and a live status line; Ctrl-C "
         "or SIGTERM stops everything. With no arguments: an embedded local Ray, 2 shards sharing "
@@ -172,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--quiet", action="store_true", help="no status output (only the endpoint line)")
     up.set_defaults(func=cmd_up)
 
-    status = verbs.add_parser(
+    status = add_verb(
         "status", help="per-shard table: level, epoch, pressure, bytes per level, tokens, ...",
         description="Ask a running kvd for every shard's figures. Exit status 1 if a shard does not answer.",
     )
@@ -183,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=cmd_status)
 
-    bench = verbs.add_parser(
+    bench = add_verb(
         "bench", help="drive load against a running kvd: throughput and latency",
         description="Client processes append a prefill chunk, then decode steps (one token, all layers), read "
         "the sequence back and drop it, for --seconds; prints GB/s (fp16 bytes), requests/s, p50 and p99.",
@@ -199,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=cmd_bench)
 
-    ping = verbs.add_parser(
+    ping = add_verb(
         "ping", help="liveness check: does the coordinator (or a shard) answer? exit status 0 if so",
         description="Send the protocol's hello and ping to a kvd server (the coordinator by default) and report "
         "the round trip. Exit status 0 when it answered, 1 when not (within --timeout). With --shards, also ping "
@@ -215,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--quiet", action="store_true", help="print nothing but failures")
     ping.set_defaults(func=cmd_ping)
 
-    down = verbs.add_parser(
+    down = add_verb(
         "down", help="stop a running kvd",
         description="Stop the kvd of --namespace: the local `kvd up` process (embedded Ray), or the detached "
         "actors on the Ray cluster given by --address.",
@@ -225,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to stop (default 30)")
     down.set_defaults(func=cmd_down)
 
-    keygen = verbs.add_parser(
+    keygen = add_verb(
         "keygen", help="write CURVE key pairs for encrypted, authenticated ZeroMQ",
         description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) into DIR for each --name.",
     )
@@ -233,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--name", action="append", default=None, help="key pair names (default: server, client)")
     keygen.set_defaults(func=cmd_keygen)
 
-    cfg = verbs.add_parser("config", help="print the effective settings (or --describe all of them)",
+    cfg = add_verb("config", help="print the effective settings (or --describe all of them)",
                            description="Print the settings after defaults, --config, KVD_* and --set.")
     _common(cfg)
     cfg.add_argument("--describe", action="store_true", help="list every setting, its default and env variable")
