@@ -1,11 +1,12 @@
 """The ``kvd`` command: ``up``, ``status``, ``ping``, ``bench``, ``down``, ``keygen``, ``config``.
 
 ``kvd up`` with no arguments starts an embedded local Ray, a coordinator and two shards, prints the client
-endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--address auto`` joins a running
-Ray cluster instead. Settings: defaults < ``--config`` TOML < ``KVD_*`` environment < flags (kvd.config).
+endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--ray-address auto`` joins a
+running Ray cluster instead. Settings: defaults < ``--config`` TOML < ``KVD_*`` environment < flags (kvd.config).
 ``kvd status`` and ``kvd bench`` talk to the coordinator's ZeroMQ endpoint like any client; ``kvd down``
-stops a kvd through the process that runs it (embedded) or through Ray (``--address``). The status table and
-the live line are drawn by kvd.cli.status, the Prometheus exporter is kvd.cluster.metrics.
+stops a kvd through the process that runs it (embedded) or through Ray (``--ray-address``). ``--address`` is
+always a kvd client endpoint (status, ping, bench), ``--ray-address`` always a Ray cluster (up, down). The status
+table and the live line are drawn by kvd.cli.status, the Prometheus exporter is kvd.cluster.metrics.
 
 This module holds the parser and the small verbs; ``up``/``down`` live in kvd.cli.up, ``ping`` in kvd.cli.ping,
 and what they all share in kvd.cli.common.
@@ -19,6 +20,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvd import __version__
 from kvd.cli.common import (
@@ -132,6 +134,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------- parser
 
 
+class _RayAddressRenamed(argparse.Action):
+    """``--address`` given to `kvd up` / `kvd down`: a usage error that names ``--ray-address``. One flag name, one
+    meaning: ``--address`` is a kvd client endpoint everywhere (status, ping, bench)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"--address {values}: --address names a kvd endpoint (kvd status, ping, bench); a Ray "
+                     "cluster is --ray-address (\"auto\", \"ray://head:10001\"); `kvd down` without it stops the "
+                     "local `kvd up` of --namespace")
+
+
+def _renamed_to_ray_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", action=_RayAddressRenamed, help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     memory = format_size(default_memory_bytes())
     parser = argparse.ArgumentParser(
@@ -154,9 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"endpoint tcp://127.0.0.1:{DEFAULT_PORT}.",
     )
     _common(up)
-    up.add_argument("--address", dest="ray_address", metavar="RAY",
+    up.add_argument("--ray-address", metavar="RAY",
                     help='join a Ray cluster instead: "auto" (started with `ray start`/`ray up` on this machine) '
                     'or "ray://head:10001"; shards are spread over its nodes')
+    _renamed_to_ray_address(up)
     up.add_argument("--shards", type=int, help="number of shards (default 2)")
     up.add_argument("--memory", help=f"total KV memory over all shards, e.g. 8GiB (default here: {memory})")
     up.add_argument("--port", type=int, help=f"coordinator's client port (default {DEFAULT_PORT}; 0 = any)")
@@ -172,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--profile", choices=["default", "fp16_only", "aggressive"], help="policy profile")
     up.add_argument("--eviction", choices=["lru", "none"], help="when full: evict LRU sequences or refuse")
     up.add_argument("--detach", action="store_true",
-                    help="with --address: leave kvd running on the cluster and exit (stop it with `kvd down`); "
-                    "metrics (--metrics-port) are then served on the Ray head")
+                    help="with --ray-address: leave kvd running on the cluster and exit (stop it with `kvd "
+                    "down`); metrics (--metrics-port) are then served on the Ray head")
     up.add_argument("--quiet", action="store_true", help="no status output (only the endpoint line)")
     up.set_defaults(func=cmd_up)
 
@@ -223,10 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     down = add_verb(
         "down", help="stop a running kvd",
         description="Stop the kvd of --namespace: the local `kvd up` process (embedded Ray), or the detached "
-        "actors on the Ray cluster given by --address.",
+        "actors on the Ray cluster given by --ray-address.",
     )
     _common(down)
-    down.add_argument("--address", dest="ray_address", metavar="RAY", help='Ray cluster ("auto", "ray://...")')
+    down.add_argument("--ray-address", metavar="RAY", help='Ray cluster ("auto", "ray://...")')
+    _renamed_to_ray_address(down)
     down.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to stop (default 30)")
     down.set_defaults(func=cmd_down)
 

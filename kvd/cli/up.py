@@ -244,7 +244,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = _load(args)
     cluster = config.cluster
     if args.detach and not cluster.address:
-        raise ConfigError("--detach needs --address (an embedded Ray lives only as long as `kvd up`)")
+        raise ConfigError("--detach needs --ray-address (an embedded Ray lives only as long as `kvd up`)")
     import ray
 
     from kvd.cluster.deploy import deploy, deploy_metrics, teardown
@@ -292,7 +292,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         if metrics_url:
             _say(f"metrics: {metrics_url}" + (" (served on the Ray head until `kvd down`)" if args.detach else ""))
         if args.detach:
-            _say(f"detached; stop it with `kvd down --address {cluster.address}`")
+            _say(f"detached; stop it with `kvd down --ray-address {cluster.address}`")
             return _EXIT_OK
         _say("Ctrl-C stops kvd")
         _watch(deployment, metrics, live=sys.stdout.isatty() and not args.quiet, quiet=args.quiet)
@@ -361,7 +361,7 @@ def cmd_down(args: argparse.Namespace) -> int:
         return _EXIT_OK
     address = config.cluster.address or (note or {}).get("ray_address")
     if not address:
-        _say(f"kvd down: no kvd found in namespace {ns!r} on this machine (use --address for a Ray cluster)")
+        _say(f"kvd down: no kvd found in namespace {ns!r} on this machine (use --ray-address for a Ray cluster)")
         return _EXIT_ERROR
     import ray
 

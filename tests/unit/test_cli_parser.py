@@ -4,10 +4,14 @@ whose unit is said. Parsing only: nothing starts, no Ray, no network."""
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
+from pathlib import Path
 
 import pytest
 
 from kvd.cli.main import build_parser
+from kvd.config import load_config
 
 VERBS = ("up", "status", "bench", "ping", "down", "keygen", "config")
 
@@ -46,3 +50,57 @@ def test_every_parser_refuses_abbreviations() -> None:
 def test_whole_flags_still_parse() -> None:
     args = build_parser().parse_args(["up", "--memory", "64MiB", "--shards", "3"])
     assert (args.memory, args.shards) == ("64MiB", 3)
+
+
+# ------------------------------------------------------------------------- --address: one name, one meaning
+
+
+@pytest.mark.parametrize("verb", ["up", "down"])
+def test_a_ray_cluster_is_ray_address(verb: str) -> None:
+    args = build_parser().parse_args([verb, "--ray-address", "auto"])
+    assert args.ray_address == "auto"
+    assert load_config(None, overrides={"cluster.address": args.ray_address}).cluster.address == "auto"
+
+
+@pytest.mark.parametrize("verb", ["up", "down"])
+def test_address_given_to_up_or_down_is_a_usage_error_naming_ray_address(
+        verb: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # `kvd down --address tcp://127.0.0.1:7070` used to ask Ray to connect to a ZeroMQ endpoint
+    err = _usage_error([verb, "--address", "tcp://127.0.0.1:7070"], capsys)
+    assert "--ray-address" in err and "kvd endpoint" in err, err
+    assert "--address" not in _verb_parsers()[verb].format_help()
+
+
+@pytest.mark.parametrize("verb", ["status", "ping", "bench"])
+def test_address_is_a_kvd_endpoint_for_the_client_verbs(verb: str) -> None:
+    assert build_parser().parse_args([verb, "--address", "tcp://127.0.0.1:7070"]).address == "tcp://127.0.0.1:7070"
+    assert "ENDPOINT" in _verb_parsers()[verb].format_help()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([verb, "--ray-address", "auto"])
+
+
+REPO = Path(__file__).resolve().parents[2]
+_COMMAND = re.compile(r"\bkvd (up|down|status|ping|bench)((?: --?[\w-]+(?:[ =](?!-)[^\s'`\")|]+)?)*)")
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    found = []
+    for path in [REPO / "README.md", *sorted((REPO / "cluster").iterdir())]:
+        if path.is_file():
+            for m in _COMMAND.finditer(path.read_text()):
+                found.append((path.name, f"{m.group(1)}{m.group(2)}"))
+    return found
+
+
+def test_the_documented_command_lines_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    """README.md and cluster/ (the READMEs, the KubeRay pod, the launcher) spell the flags as `kvd` takes them."""
+    commands = _documented_commands()
+    assert ("kuberay-raycluster.yaml", "up --ray-address auto --config /etc/kvd/kvd.toml --quiet") in commands
+    bad = []
+    for where, line in commands:
+        try:
+            build_parser().parse_args(shlex.split(line))
+        except SystemExit as exit_:
+            if exit_.code:  # --help exits 0
+                bad.append((where, line))
+    assert bad == []
