@@ -176,7 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                     'or "ray://head:10001"; shards are spread over its nodes')
     _renamed_to_ray_address(up)
     up.add_argument("--shards", type=int, help="number of shards (default 2)")
-    up.add_argument("--memory", help=f"total KV memory over all shards, e.g. 8GiB (default here: {memory})")
+    up.add_argument("--memory", metavar="SIZE",
+                    help="total KV memory over all shards, with its unit: 8GiB is 8 x 2^30 bytes (binary: KiB MiB "
+                    "GiB TiB), 8GB is 8 x 10^9 bytes (decimal: KB MB GB TB); a number without a unit is bytes "
+                    f"(default here: {memory})")
     up.add_argument("--port", type=int, help=f"coordinator's client port (default {DEFAULT_PORT}; 0 = any)")
     up.add_argument("--host",
                     help='bind address of every actor (default "auto": 127.0.0.1 embedded; on a cluster each '

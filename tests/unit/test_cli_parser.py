@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvd.cli.main import build_parser
+from kvd.cli.main import build_parser, main
 from kvd.config import load_config
+from kvd.errors import ConfigError
 
 VERBS = ("up", "status", "bench", "ping", "down", "keygen", "config")
 
@@ -104,3 +105,32 @@ def test_the_documented_command_lines_parse(capsys: pytest.CaptureFixture[str]) 
             if exit_.code:  # --help exits 0
                 bad.append((where, line))
     assert bad == []
+
+
+# ------------------------------------------------------------------------------------------ --memory's unit
+
+
+def test_memory_help_says_the_unit_and_which_units_are_binary() -> None:
+    text = " ".join(_verb_parsers()["up"].format_help().split())
+    assert "a number without a unit is bytes" in text, text
+    assert "8GiB is 8 x 2^30 bytes (binary" in text and "8GB is 8 x 10^9 bytes (decimal" in text, text
+
+
+def test_memory_without_a_unit_is_an_error_that_says_it_was_read_as_bytes() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides={"cluster.memory_bytes": "8"})
+    message = str(err.value)
+    assert "8 bytes" in message and "without a unit is in bytes" in message, message
+    assert "8GiB" in message and "2^30" in message and "8GB" in message and "10^9" in message, message
+
+
+def test_memory_8_on_the_command_line_says_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--memory", "8", "--namespace", "kvd-unit-test-no-start"]) == 2  # fails before Ray starts
+    err = capsys.readouterr().err
+    assert "cluster.memory_bytes" in err and "8 bytes: a size without a unit is in bytes" in err, err
+
+
+def test_a_size_with_a_unit_gets_no_hint() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides={"cluster.memory_bytes": "8KiB"})
+    assert "without a unit" not in str(err.value)
