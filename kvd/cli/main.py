@@ -27,12 +27,14 @@ from kvd.cli.common import (
     _EXIT_ERROR,
     _EXIT_OK,
     _EXIT_USAGE,
+    NoKvd,
     _common,
     _curve_client,
     _endpoint_arg,
     _live_note,
     _load,
     _say,
+    no_kvd_message,
 )
 from kvd.cli.ping import cmd_ping
 from kvd.cli.status import fmt_bytes, shard_table
@@ -60,9 +62,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             stats = client.shard_stats()
     except (Timeout, ShardUnavailable) as exc:
         if args.address is None and _live_note(config.cluster.namespace) is None:
-            ns = config.cluster.namespace
-            _say(f"kvd status: no kvd is running in namespace {ns!r} on this machine (no `kvd up` of it, and "
-                 f"nothing answers at {endpoint}); for a kvd elsewhere give --address ENDPOINT")
+            _say(f"kvd status: {no_kvd_message(config.cluster.namespace, endpoint)}")
             return _EXIT_ERROR
         raise exc from None
     rows = []
@@ -283,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvd {args.verb}: configuration error: {exc}", file=sys.stderr)
         return _EXIT_USAGE
+    except NoKvd as exc:
+        print(f"kvd {args.verb}: {exc}", file=sys.stderr)
+        return _EXIT_ERROR
     except KvdError as exc:
         print(f"kvd {args.verb}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return _EXIT_ERROR

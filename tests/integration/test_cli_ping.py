@@ -79,6 +79,22 @@ def test_ping_with_no_kvd_in_the_namespace_says_so() -> None:
     assert "no kvd is running in namespace" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("verb", ["ping", "status"])
+def test_a_namespace_with_no_kvd_is_an_error_even_when_another_kvd_answers_on_the_default_port(
+        coordinator: str, verb: str) -> None:
+    """`kvd status --namespace nosuch` must not report the kvd that answers on the default port (another
+    namespace's): with no `kvd up` of the namespace on this machine and no --address, there is nothing to ask."""
+    port = coordinator.rsplit(":", 1)[1]  # the kvd of the default namespace listens here
+    namespace = f"kvd-nosuch-{os.getpid()}"
+    result = kvd(verb, "--namespace", namespace, "--set", f"cluster.port={port}", "--timeout", "5")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"kvd {verb}: no kvd is running in namespace {namespace!r}" in result.stderr, result.stderr
+    assert "--address" in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+    # the default namespace still falls back to the default port (a kvd not started by `kvd up` here)
+    assert kvd(verb, "--set", f"cluster.port={port}", "--timeout", "5").returncode == 0
+
+
 def test_ping_help_says_what_it_is_for() -> None:
     result = kvd("ping", "--help")
     assert result.returncode == 0
