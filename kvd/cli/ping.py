@@ -74,7 +74,8 @@ def cmd_ping(args: argparse.Namespace) -> int:
             return _EXIT_ERROR
         raise exc from None
     if not args.quiet:
-        print(f"{role} {name} at {endpoint}: ping {seconds * 1e3:.2f} ms")
+        who = role if name in ("", role) else f"{role} {name}"  # kvd's coordinator is named "coordinator"
+        print(f"{who} at {endpoint}: ping {seconds * 1e3:.2f} ms")
     if not args.all_shards:
         return _EXIT_OK
     from kvd.client.sync import Client

@@ -38,6 +38,18 @@ def test_ping_reports_a_serving_coordinator(coordinator: str) -> None:
     assert result.stdout.startswith(f"coordinator kvd-coordinator at {coordinator}: ping "), result.stdout
 
 
+def test_ping_names_the_coordinator_once() -> None:
+    """kvd's coordinator serves under the name "coordinator": not "coordinator coordinator at ..."."""
+    server = TopologyServer(lambda: {"epoch": 1, "shards": [], "level": "fp16", "level_epoch": 0})
+    endpoint = server.start()
+    try:
+        result = kvd("ping", "--address", endpoint, "--timeout", "5")
+    finally:
+        server.stop(timeout_s=2)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"coordinator at {endpoint}: ping "), result.stdout
+
+
 def test_ping_fails_when_the_port_accepts_connections_but_nothing_answers() -> None:
     # a hung server: the TCP readiness probe is satisfied, a liveness check must not be
     ctx = zmq.Context()
