@@ -10,7 +10,7 @@ has finished, and the kernel closes it when `kvd up` dies), then SIGKILLs every 
 (but `kvd up` itself, if it is still running) until none is left, and removes the run note if it is still that
 of the dead `kvd up`.
 
-    python kvd/cli/reaper.py MARK_VALUE KVD_UP_PID [RUN_NOTE]
+    python -I kvd/cli/reaper.py MARK-VALUE PID-OF-KVD-UP [RUN-NOTE-PATH]
 """
 
 from __future__ import annotations
