@@ -1,4 +1,5 @@
-/* AVX2 fast paths of the q4 encoders; included by kvd_avx2.h after its helpers. Ports of kvd_avx512_q4.h:
+/* AVX2 fast paths of the q4 encoders, on the building blocks of kvd_avx2_util.h; included by kvd_avx2.h.
+ * Ports of kvd_avx512_q4.h:
  * - columns: blocks of 64 columns (128 contiguous bytes per token row), min/max on int16 keys (kvd256_key:
  *   float order, -0 below +0), the scale arithmetic 8 columns per instruction.
  * - rotated rows of d = 64 or 128: batches of 8 groups (8 / G rows); the transform runs on 8-float vectors in
@@ -10,6 +11,8 @@
  */
 #ifndef KVD_AVX2_Q4_H
 #define KVD_AVX2_Q4_H
+
+#include "kvd_avx2_util.h"
 
 /* 8 x 8 int32 codes in [0, 15] (elements 0..63, vector k = elements 8k..8k+7) -> 32 bytes, element 2i in the
  * low nibble of byte i. The packs leave 4-element dwords in the order 0 2 4 6 | 1 3 5 7 (per 32 elements);

@@ -1,5 +1,5 @@
-/* AVX2 fast paths of the absmax encoders (q8 and fp8 rows, q8 columns); included by kvd_avx2.h after its
- * helpers. The ideas of kvd_avx512_q8.h on 256-bit vectors:
+/* AVX2 fast paths of the absmax encoders (q8 and fp8 rows, q8 columns), on the building blocks of
+ * kvd_avx2_util.h; included by kvd_avx2.h. The ideas of kvd_avx512_q8.h on 256-bit vectors:
  * - rows: batches of 8 groups (consecutive in the flattened [n, d / g] group order, so their scales and codes
  *   are contiguous in the outputs); pass 1 takes the absmax of each group on (bits & 0x7fff) with an integer
  *   max, one transposed reduction turns the 8 accumulators into one vector of 8 absmax values, and the scale
@@ -12,8 +12,7 @@
 #ifndef KVD_AVX2_Q8_H
 #define KVD_AVX2_Q8_H
 
-#define KVD_UNROLL256 _Pragma("GCC unroll 16")
-#define KVD256_PF_AHEAD 2048 /* elements (4 KiB) of input prefetched ahead of the rows being read */
+#include "kvd_avx2_util.h"
 
 /* 8 vectors of 16 u16 (each <= 0x7fff) -> their 8 maxima, in order, as the u16 lanes of one __m128i */
 KVD_I256 __m128i kvd256_red8_max(const __m256i *a) {

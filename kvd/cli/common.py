@@ -15,7 +15,7 @@ from kvd.config.settings import (
     read_run_file,
     remove_run_file,
 )
-from kvd.errors import ConfigError
+from kvd.errors import ConfigError, KvdError
 
 _EMBEDDED_OBJECT_STORE_BYTES = 128 << 20  # kvd moves no data through Ray's object store
 _STATUS_PERIOD_S = 1.0
@@ -91,9 +91,22 @@ def _default_endpoint(config: Config) -> str:
     return f"tcp://127.0.0.1:{config.cluster.port}"
 
 
+class NoKvd(KvdError):
+    """No ``--address`` was given and no `kvd up` of the namespace runs on this machine."""
+
+
+_DEFAULT_NAMESPACE = "kvd"
+
+
 def _endpoint_arg(args: argparse.Namespace, config: Config) -> str:
-    """``--address`` (a client endpoint for status and bench) checked at once, or the local kvd's endpoint."""
+    """``--address`` (a client endpoint for status, ping and bench) checked at once, or the endpoint of the local
+    `kvd up` of the namespace. Only the default namespace falls back to ``tcp://127.0.0.1:<port>`` (a kvd not
+    started by `kvd up` here): any other namespace without a run note has no kvd here, and another namespace's
+    kvd answering on the default port must not be reported in its place. Raises :class:`NoKvd` then."""
     if args.address is None:
+        ns = config.cluster.namespace
+        if ns != _DEFAULT_NAMESPACE and _live_note(ns) is None:
+            raise NoKvd(no_kvd_message(ns))
         return _default_endpoint(config)
     from kvd.client.core import check_endpoint
     from kvd.errors import InvalidArgument
@@ -102,6 +115,13 @@ def _endpoint_arg(args: argparse.Namespace, config: Config) -> str:
         return check_endpoint("--address", args.address)
     except InvalidArgument as exc:
         raise ConfigError(str(exc)) from None
+
+
+def no_kvd_message(namespace: str, endpoint: str | None = None) -> str:
+    """Why a command found no kvd of ``namespace`` on this machine (``endpoint``: where nothing answered)."""
+    nothing = f", and nothing answers at {endpoint}" if endpoint else ""
+    return (f"no kvd is running in namespace {namespace!r} on this machine (no `kvd up` of it{nothing}); "
+            "for a kvd elsewhere give --address ENDPOINT")
 
 
 def _curve_client(config: Config) -> Any:

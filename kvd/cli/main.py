@@ -1,11 +1,12 @@
 """The ``kvd`` command: ``up``, ``status``, ``ping``, ``bench``, ``down``, ``keygen``, ``config``.
 
 ``kvd up`` with no arguments starts an embedded local Ray, a coordinator and two shards, prints the client
-endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--address auto`` joins a running
-Ray cluster instead. Settings: defaults < ``--config`` TOML < ``KVD_*`` environment < flags (kvd.config).
+endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--ray-address auto`` joins a
+running Ray cluster instead. Settings: defaults < ``--config`` TOML < ``KVD_*`` environment < flags (kvd.config).
 ``kvd status`` and ``kvd bench`` talk to the coordinator's ZeroMQ endpoint like any client; ``kvd down``
-stops a kvd through the process that runs it (embedded) or through Ray (``--address``). What the status
-table, the live line and the Prometheus exporter show is drawn by kvd.cli.status.
+stops a kvd through the process that runs it (embedded) or through Ray (``--ray-address``). ``--address`` is
+always a kvd client endpoint (status, ping, bench), ``--ray-address`` always a Ray cluster (up, down). The status
+table and the live line are drawn by kvd.cli.status, the Prometheus exporter is kvd.cluster.metrics.
 
 This module holds the parser and the small verbs; ``up``/``down`` live in kvd.cli.up, ``ping`` in kvd.cli.ping,
 and what they all share in kvd.cli.common.
@@ -14,22 +15,26 @@ and what they all share in kvd.cli.common.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvd import __version__
 from kvd.cli.common import (
     _EXIT_ERROR,
     _EXIT_OK,
     _EXIT_USAGE,
+    NoKvd,
     _common,
     _curve_client,
     _endpoint_arg,
     _live_note,
     _load,
     _say,
+    no_kvd_message,
 )
 from kvd.cli.ping import cmd_ping
 from kvd.cli.status import fmt_bytes, shard_table
@@ -57,9 +62,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             stats = client.shard_stats()
     except (Timeout, ShardUnavailable) as exc:
         if args.address is None and _live_note(config.cluster.namespace) is None:
-            ns = config.cluster.namespace
-            _say(f"kvd status: no kvd is running in namespace {ns!r} on this machine (no `kvd up` of it, and "
-                 f"nothing answers at {endpoint}); for a kvd elsewhere give --address ENDPOINT")
+            _say(f"kvd status: {no_kvd_message(config.cluster.namespace, endpoint)}")
             return _EXIT_ERROR
         raise exc from None
     rows = []
@@ -131,17 +134,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------- parser
 
 
+class _RayAddressRenamed(argparse.Action):
+    """``--address`` given to `kvd up` / `kvd down`: a usage error that names ``--ray-address``. One flag name, one
+    meaning: ``--address`` is a kvd client endpoint everywhere (status, ping, bench)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"--address {values}: --address names a kvd endpoint (kvd status, ping, bench); a Ray "
+                     "cluster is --ray-address (\"auto\", \"ray://head:10001\"); `kvd down` without it stops the "
+                     "local `kvd up` of --namespace")
+
+
+def _renamed_to_ray_address(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", action=_RayAddressRenamed, help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     memory = format_size(default_memory_bytes())
     parser = argparse.ArgumentParser(
         prog="kvd",
         description="kvd: a distributed cache for the attention KV cache of LLM inference.",
         epilog="Start with `kvd up`; `kvd VERB --help` explains each verb.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"kvd {__version__}")
+    # No abbreviated flags (`--mem` for --memory, `--shard` for --shards): a typo or a future flag must not
+    # silently become another one. Every verb's parser is made with the same switch.
     verbs = parser.add_subparsers(dest="verb", metavar="VERB")
+    add_verb = functools.partial(verbs.add_parser, allow_abbrev=False)
 
-    up = verbs.add_parser(
+    up = add_verb(
         "up", help="start kvd (embedded Ray by default) and show its status",
         description="Start a coordinator and shards, print the client endpoint and a live status line; Ctrl-C "
         "or SIGTERM stops everything. With no arguments: an embedded local Ray, 2 shards sharing "
@@ -149,11 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"endpoint tcp://127.0.0.1:{DEFAULT_PORT}.",
     )
     _common(up)
-    up.add_argument("--address", dest="ray_address", metavar="RAY",
+    up.add_argument("--ray-address", metavar="RAY",
                     help='join a Ray cluster instead: "auto" (started with `ray start`/`ray up` on this machine) '
                     'or "ray://head:10001"; shards are spread over its nodes')
+    _renamed_to_ray_address(up)
     up.add_argument("--shards", type=int, help="number of shards (default 2)")
-    up.add_argument("--memory", help=f"total KV memory over all shards, e.g. 8GiB (default here: {memory})")
+    up.add_argument("--memory", metavar="SIZE",
+                    help="total KV memory over all shards, with its unit: 8GiB is 8 x 2^30 bytes (binary: KiB MiB "
+                    "GiB TiB), 8GB is 8 x 10^9 bytes (decimal: KB MB GB TB); a number without a unit is bytes "
+                    f"(default here: {memory})")
     up.add_argument("--port", type=int, help=f"coordinator's client port (default {DEFAULT_PORT}; 0 = any)")
     up.add_argument("--host",
                     help='bind address of every actor (default "auto": 127.0.0.1 embedded; on a cluster each '
@@ -175,12 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "the same DIR comes back with what it holds")
     up.add_argument("--fresh", action="store_true", help="start with an empty disk tier (remove what DIR holds)")
     up.add_argument("--detach", action="store_true",
-                    help="with --address: leave kvd running on the cluster and exit (stop it with `kvd down`); "
-                    "metrics (--metrics-port) are then served on the Ray head")
+                    help="with --ray-address: leave kvd running on the cluster and exit (stop it with `kvd "
+                    "down`); metrics (--metrics-port) are then served on the Ray head")
     up.add_argument("--quiet", action="store_true", help="no status output (only the endpoint line)")
     up.set_defaults(func=cmd_up)
 
-    status = verbs.add_parser(
+    status = add_verb(
         "status", help="per-shard table: level, epoch, pressure, bytes per level, tokens, ...",
         description="Ask a running kvd for every shard's figures. Exit status 1 if a shard does not answer.",
     )
@@ -191,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=cmd_status)
 
-    bench = verbs.add_parser(
+    bench = add_verb(
         "bench", help="drive load against a running kvd: throughput and latency",
         description="Client processes append a prefill chunk, then decode steps (one token, all layers), read "
         "the sequence back and drop it, for --seconds; prints GB/s (fp16 bytes), requests/s, p50 and p99.",
@@ -207,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=cmd_bench)
 
-    ping = verbs.add_parser(
+    ping = add_verb(
         "ping", help="liveness check: does the coordinator (or a shard) answer? exit status 0 if so",
         description="Send the protocol's hello and ping to a kvd server (the coordinator by default) and report "
         "the round trip. Exit status 0 when it answered, 1 when not (within --timeout). With --shards, also ping "
@@ -223,17 +249,18 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--quiet", action="store_true", help="print nothing but failures")
     ping.set_defaults(func=cmd_ping)
 
-    down = verbs.add_parser(
+    down = add_verb(
         "down", help="stop a running kvd",
         description="Stop the kvd of --namespace: the local `kvd up` process (embedded Ray), or the detached "
-        "actors on the Ray cluster given by --address.",
+        "actors on the Ray cluster given by --ray-address.",
     )
     _common(down)
-    down.add_argument("--address", dest="ray_address", metavar="RAY", help='Ray cluster ("auto", "ray://...")')
+    down.add_argument("--ray-address", metavar="RAY", help='Ray cluster ("auto", "ray://...")')
+    _renamed_to_ray_address(down)
     down.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for it to stop (default 30)")
     down.set_defaults(func=cmd_down)
 
-    keygen = verbs.add_parser(
+    keygen = add_verb(
         "keygen", help="write CURVE key pairs for encrypted, authenticated ZeroMQ",
         description="Write NAME.key (public) and NAME.key_secret (secret, mode 0600) into DIR for each --name.",
     )
@@ -241,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     keygen.add_argument("--name", action="append", default=None, help="key pair names (default: server, client)")
     keygen.set_defaults(func=cmd_keygen)
 
-    cfg = verbs.add_parser("config", help="print the effective settings (or --describe all of them)",
+    cfg = add_verb("config", help="print the effective settings (or --describe all of them)",
                            description="Print the settings after defaults, --config, KVD_* and --set.")
     _common(cfg)
     cfg.add_argument("--describe", action="store_true", help="list every setting, its default and env variable")
@@ -264,6 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"kvd {args.verb}: configuration error: {exc}", file=sys.stderr)
         return _EXIT_USAGE
+    except NoKvd as exc:
+        print(f"kvd {args.verb}: {exc}", file=sys.stderr)
+        return _EXIT_ERROR
     except KvdError as exc:
         print(f"kvd {args.verb}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return _EXIT_ERROR

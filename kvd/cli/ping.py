@@ -14,6 +14,7 @@ from kvd.cli.common import (
     _live_note,
     _load,
     _say,
+    no_kvd_message,
 )
 
 
@@ -69,13 +70,12 @@ def cmd_ping(args: argparse.Namespace) -> int:
         role, name, seconds = _ping_endpoint(endpoint, args.timeout, curve)
     except (Timeout, ShardUnavailable) as exc:
         if args.address is None and _live_note(config.cluster.namespace) is None:
-            _say(f"kvd ping: no kvd is running in namespace {config.cluster.namespace!r} on this machine (no "
-                 f"`kvd up` of it, and nothing answers at {endpoint}); for a kvd elsewhere give --address "
-                 "ENDPOINT")
+            _say(f"kvd ping: {no_kvd_message(config.cluster.namespace, endpoint)}")
             return _EXIT_ERROR
         raise exc from None
     if not args.quiet:
-        print(f"{role} {name} at {endpoint}: ping {seconds * 1e3:.2f} ms")
+        who = role if name in ("", role) else f"{role} {name}"  # kvd's coordinator is named "coordinator"
+        print(f"{who} at {endpoint}: ping {seconds * 1e3:.2f} ms")
     if not args.all_shards:
         return _EXIT_OK
     from kvd.client.sync import Client

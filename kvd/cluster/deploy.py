@@ -273,7 +273,7 @@ class MetricsExporter:
     def __init__(self, namespace: str, port: int, host: str, timeout_s: float = 10.0) -> None:
         import threading
 
-        from kvd.cli.status import StatusMetrics
+        from kvd.cluster.metrics import StatusMetrics
         from kvd.cluster.naming import metrics_bind_host, resolve_host
 
         self._namespace = namespace

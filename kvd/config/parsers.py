@@ -144,6 +144,15 @@ def number_in(low: float, high: float | None = None, *, open_low: bool = False) 
     return parse
 
 
+def _unit_hint(value: object) -> str:
+    """What a size without a unit means (bytes), and how to write one with a unit, for an error message."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not re.fullmatch(r"[0-9]+(\.[0-9]*)?", text):
+        return ""
+    return (f" ({text} bytes: a size without a unit is in bytes; write {text}GiB for {text} x 2^30 bytes "
+            f"(binary: KiB MiB GiB TiB) or {text}GB for {text} x 10^9 bytes (decimal: KB MB GB TB))")
+
+
 def size_at_least(minimum: int, *, or_zero: bool = False) -> Parser:
     """A size in bytes (:func:`parse_size`) of at least ``minimum`` bytes (or 0, with ``or_zero``: "off")."""
 
@@ -151,7 +160,7 @@ def size_at_least(minimum: int, *, or_zero: bool = False) -> Parser:
         n = parse_size(value, name=name)
         if n < minimum and not (or_zero and n == 0):
             raise ConfigError(f"{name}: must be {'0 or ' if or_zero else ''}at least {format_size(minimum)}, "
-                              f"got {value!r}")
+                              f"got {value!r}{_unit_hint(value)}")
         return n
 
     return parse

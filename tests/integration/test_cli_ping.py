@@ -38,6 +38,18 @@ def test_ping_reports_a_serving_coordinator(coordinator: str) -> None:
     assert result.stdout.startswith(f"coordinator kvd-coordinator at {coordinator}: ping "), result.stdout
 
 
+def test_ping_names_the_coordinator_once() -> None:
+    """kvd's coordinator serves under the name "coordinator": not "coordinator coordinator at ..."."""
+    server = TopologyServer(lambda: {"epoch": 1, "shards": [], "level": "fp16", "level_epoch": 0})
+    endpoint = server.start()
+    try:
+        result = kvd("ping", "--address", endpoint, "--timeout", "5")
+    finally:
+        server.stop(timeout_s=2)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"coordinator at {endpoint}: ping "), result.stdout
+
+
 def test_ping_fails_when_the_port_accepts_connections_but_nothing_answers() -> None:
     # a hung server: the TCP readiness probe is satisfied, a liveness check must not be
     ctx = zmq.Context()
@@ -77,6 +89,22 @@ def test_ping_with_no_kvd_in_the_namespace_says_so() -> None:
     result = kvd("ping", "--namespace", f"kvd-none-{os.getpid()}", "--timeout", "1")
     assert result.returncode == 1
     assert "no kvd is running in namespace" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("verb", ["ping", "status"])
+def test_a_namespace_with_no_kvd_is_an_error_even_when_another_kvd_answers_on_the_default_port(
+        coordinator: str, verb: str) -> None:
+    """`kvd status --namespace nosuch` must not report the kvd that answers on the default port (another
+    namespace's): with no `kvd up` of the namespace on this machine and no --address, there is nothing to ask."""
+    port = coordinator.rsplit(":", 1)[1]  # the kvd of the default namespace listens here
+    namespace = f"kvd-nosuch-{os.getpid()}"
+    result = kvd(verb, "--namespace", namespace, "--set", f"cluster.port={port}", "--timeout", "5")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"kvd {verb}: no kvd is running in namespace {namespace!r}" in result.stderr, result.stderr
+    assert "--address" in result.stderr and "Traceback" not in result.stderr
+    assert result.stdout == ""
+    # the default namespace still falls back to the default port (a kvd not started by `kvd up` here)
+    assert kvd(verb, "--set", f"cluster.port={port}", "--timeout", "5").returncode == 0
 
 
 def test_ping_help_says_what_it_is_for() -> None:

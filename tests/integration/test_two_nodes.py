@@ -1,6 +1,6 @@
 """kvd on a two-node Ray cluster built on one machine the way an operator builds one (issue 18, item 13): two
 `ray start`, the second joining the first, with token authentication as cluster/README.md tells operators to set
-it up (RAY_AUTH_MODE=token and the token on every `ray start`), then `kvd up --address ... --detach` with its
+it up (RAY_AUTH_MODE=token and the token on every `ray start`), then `kvd up --ray-address ... --detach` with its
 metrics, a client round trip, `kvd ping`, and `kvd down`.
 
 The worker node is given ``--node-ip-address 127.0.0.2`` (any 127.x address is this machine's loopback on Linux):
@@ -161,7 +161,7 @@ def test_kvd_spreads_over_two_ray_nodes_serves_a_client_and_goes_down(cluster: C
     namespace = f"kvd-2n-{os.getpid()}"
     metrics_port = free_port()
     started = time.monotonic()
-    up = _kvd(cluster, "up", "--address", cluster.gcs, "--detach", "--namespace", namespace, "--shards", "2",
+    up = _kvd(cluster, "up", "--ray-address", cluster.gcs, "--detach", "--namespace", namespace, "--shards", "2",
               "--memory", "16MiB", "--port", "0", "--metrics-port", str(metrics_port), "--report-interval", "0.2")
     try:
         assert up.returncode == 0, up.stderr
@@ -215,7 +215,7 @@ def test_kvd_spreads_over_two_ray_nodes_serves_a_client_and_goes_down(cluster: C
         assert 'kvd_shard_up{shard="shard-0"} 1.0' in text and 'kvd_shard_up{shard="shard-1"} 1.0' in text, text
         assert "kvd_cluster_pressure" in text
     finally:
-        down = _kvd(cluster, "down", "--address", cluster.gcs, "--namespace", namespace)
+        down = _kvd(cluster, "down", "--ray-address", cluster.gcs, "--namespace", namespace)
     assert down.returncode == 0, down.stderr
     assert "stopped 4 actors" in down.stderr, down.stderr  # 2 shards, the coordinator, the metrics exporter
     gone = _kvd(cluster, "ping", "--address", endpoint, "--timeout", "1")

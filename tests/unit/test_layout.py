@@ -148,6 +148,20 @@ def test_no_import_circles() -> None:
     assert _cycles(GRAPH) == []
 
 
+# Layers that may not reach up into the command line: the control plane (and everything below it) is what the
+# CLI drives, never the reverse (a deployment helper that imports kvd.cli drags the parser into every actor).
+BELOW_THE_CLI = ("kvd.cluster", "kvd.client", "kvd.wire", "kvd.store", "kvd.codec", "kvd.config",
+                 "kvd.integrations")
+
+
+@pytest.mark.parametrize("package", BELOW_THE_CLI)
+def test_nothing_below_the_command_line_imports_it(package: str) -> None:
+    modules = [m for m in GRAPH if m == package or m.startswith(package + ".")]
+    assert modules, package
+    up = {m: sorted(t for t in GRAPH[m] if t == "kvd.cli" or t.startswith("kvd.cli.")) for m in modules}
+    assert {m: targets for m, targets in up.items() if targets} == {}
+
+
 def test_the_cycle_finder_finds_a_circle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

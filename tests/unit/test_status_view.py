@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvd.cli.status import StatusMetrics, disk_table, imbalance, serving_table, shard_table, status_line
+from kvd.cli.status import disk_table, imbalance, serving_table, shard_table, status_line
+from kvd.cluster.metrics import StatusMetrics
 
 
 def shard(level: str, pressure: float, **extra: object) -> dict:
