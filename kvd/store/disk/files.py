@@ -35,15 +35,7 @@ def write_file(path: str, chunks: Sequence[Any]) -> int:
             batch = views[i : i + _IOV_MAX]
             n = os.pwritev(fd, batch, off)
             off += n
-            # a short write: go on from where it stopped
-            while n:
-                head = len(views[i])
-                if n >= head:
-                    n -= head
-                    i += 1
-                else:
-                    views[i] = views[i][n:]
-                    n = 0
+            i = _advance(views, i, n)  # a short write goes on from where it stopped
         os.close(fd)
         fd = -1
         os.replace(tmp, path)
@@ -58,6 +50,19 @@ def write_file(path: str, chunks: Sequence[Any]) -> int:
     return off
 
 
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """After ``n`` bytes moved into or out of ``views[i:]``, the index of the first view not yet done (a partly
+    done one is cut to what is left)."""
+    while n:
+        head = len(views[i])
+        if n < head:
+            views[i] = views[i][n:]
+            break
+        n -= head
+        i += 1
+    return i
+
+
 def read_into(path: str, offset: int, buffers: Sequence[Any]) -> None:
     """Fill ``buffers`` (writable) from ``path`` starting at ``offset``, back to back. EOFError if the file ends
     before they are full (a file shorter than its header says: damaged, not an I/O error)."""
@@ -70,14 +75,7 @@ def read_into(path: str, offset: int, buffers: Sequence[Any]) -> None:
             if n == 0:
                 raise EOFError(f"{path} ends at byte {offset}, before the pages its header lists")
             offset += n
-            while n:
-                head = len(views[i])
-                if n >= head:
-                    n -= head
-                    i += 1
-                else:
-                    views[i] = views[i][n:]
-                    n = 0
+            i = _advance(views, i, n)
     finally:
         os.close(fd)
 
