@@ -296,3 +296,17 @@ def test_a_shards_store_takes_its_disk_from_the_settings_and_fresh_empties_it_on
     s.close(persist=False)
     off = _open_store("shard-0", load_config(None, overrides={"cluster.memory_bytes": "2MiB"}), None)
     assert off.stats()["disk_capacity_bytes"] == 0
+
+
+def test_files_move_more_buffers_than_one_system_call_takes(tmp_path):
+    """kvd.store.disk.files: a 7B-class sequence of 4,096 tokens is 2,048 records, more than IOV_MAX."""
+    rng = np.random.default_rng(3)
+    chunks = [rng.integers(0, 255, int(n), np.uint8).tobytes() for n in rng.integers(1, 3000, 1500)]
+    path = str(tmp_path / "x.kvs")
+    assert files.write_file(path, chunks) == sum(map(len, chunks))
+    back = [bytearray(len(c)) for c in chunks]
+    files.read_into(path, 0, back)
+    assert [bytes(b) for b in back] == chunks
+    with pytest.raises(EOFError):
+        files.read_into(path, 10, back)  # the file ends before the buffers are full
+    assert files.scan(str(tmp_path)) == [(path, os.path.getsize(path))]
