@@ -287,15 +287,6 @@ def test_history_records_crossing_decision_application_and_relief() -> None:
     assert c.m.history()[-1].relieved_at == c.now
 
 
-def test_take_dirty_reports_state_to_persist_once_per_change() -> None:
-    c = Cluster(2).start()
-    assert c.m.take_dirty() == (Level.FP16, 1, 2)
-    assert c.m.take_dirty() is None
-    c.round(900)
-    assert c.m.take_dirty() == (Level.Q8, 2, 2)
-    assert c.m.take_dirty() is None
-
-
 # --------------------------------------------------------------------------------------------- recovery
 
 
