@@ -9,6 +9,8 @@ from kvd.cluster.membership import Membership, ShardReport
 from kvd.errors import InvalidArgument, LayoutMismatch
 from kvd.policy import Level, Policy, PolicyConfig
 
+pytestmark = pytest.mark.backend_independent  # the control plane's pure core: no kernel, no compiled module
+
 INTERVAL_S = 0.5
 CAP = 1000
 # alpha = 1: the EWMA is the last sample, so each round's level follows from its pressure alone.

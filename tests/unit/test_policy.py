@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from kvd.errors import ConfigError, InvalidArgument, KvdError
 from kvd.policy import Level, Policy, PolicyConfig
 
+pytestmark = pytest.mark.backend_independent  # the pressure policy: no kernel, no compiled module
+
 # Dyadic settings so that thresholds, margins and boundaries are exact in binary floating point; with
 # alpha = 1 the EWMA equals the last sample, which lets a test put s exactly on a boundary.
 EXACT = dict(q8_threshold=0.5, q4_threshold=0.875, hysteresis=0.125, ewma_alpha=1.0)

@@ -8,6 +8,8 @@ import pytest
 
 from kvd.cli.status import StatusMetrics, imbalance, serving_table, shard_table, status_line
 
+pytestmark = pytest.mark.backend_independent  # kvd status tables from given figures: no kernel, no compiled module
+
 
 def shard(level: str, pressure: float, **extra: object) -> dict:
     return {
