@@ -149,6 +149,18 @@ def test_register_goes_through_the_cluster_first_and_a_refusal_registers_nothing
 # ------------------------------------------------------------------------------ the coordinator, without Ray
 
 
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator's pushes to shards find no shard actor, without asking Ray: ``ray.get_actor`` in a process
+    where Ray is not initialized starts a whole local Ray (about 25 s, in a background thread of the test)."""
+    from kvd.cluster.coordinator import Coordinator
+
+    def no_handle(self: Any, shard_id: str) -> Any:
+        raise LookupError(f"no Ray in this test: no actor for {shard_id}")
+
+    monkeypatch.setattr(Coordinator, "_handle", no_handle)
+
+
 class MemoryKV:
     """The coordinator's persisted state in memory (what RayKV keeps in Ray's internal KV), as JSON."""
 
@@ -186,6 +198,7 @@ def _report(sid: str, inc: str, endpoint: str, topology_epoch: int) -> dict[str,
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_ray")
 def test_a_coordinator_publishes_only_saved_complete_topologies_and_serves_them_again_after_a_restart() -> None:
     from kvd.cluster.coordinator import Coordinator
     from kvd.config import load_config
@@ -221,6 +234,7 @@ def test_a_coordinator_publishes_only_saved_complete_topologies_and_serves_them_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_ray")
 def test_a_coordinator_that_lost_its_state_goes_past_the_shards_epochs_and_keeps_broadcasting() -> None:
     from kvd.cluster.coordinator import Coordinator
     from kvd.config import load_config
@@ -245,6 +259,7 @@ def test_a_coordinator_that_lost_its_state_goes_past_the_shards_epochs_and_keeps
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_ray")
 def test_a_topology_whose_save_failed_is_not_served_and_the_save_is_retried() -> None:
     """``RayKV.save`` returns False when the GCS does not answer: the coordinator must then keep serving the last
     topology it saved (``Busy`` if none), and save again later without waiting for another change."""
