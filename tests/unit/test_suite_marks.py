@@ -44,13 +44,21 @@ def _marked(tree: ast.Module) -> bool:
     return False
 
 
-def _imports(path: Path, seen: set[Path] | None = None) -> set[str]:
-    """Every module ``path`` imports, at any depth of its code, and those of the sibling test modules it imports
-    (``from test_cli import ...``)."""
+def _marked_functions(tree: ast.Module) -> list[ast.FunctionDef]:
+    """The test functions decorated with the mark themselves."""
+    return [node for node in tree.body if isinstance(node, ast.FunctionDef)
+            and any("backend_independent" in ast.unparse(d) for d in node.decorator_list)]
+
+
+def _imports(path: Path, seen: set[Path] | None = None, within: ast.AST | None = None) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code (or of ``within`` and the module's top level), and
+    those of the sibling test modules it imports (``from test_cli import ...``)."""
     seen = set() if seen is None else seen
     seen.add(path)
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    nodes = list(ast.walk(tree)) if within is None else [*tree.body, *ast.walk(within)]
+    for node in nodes:
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -65,6 +73,16 @@ def _imports(path: Path, seen: set[Path] | None = None) -> set[str]:
 
 def _marked_modules() -> list[Path]:
     return sorted(p for p in TESTS.rglob("test_*.py") if _marked(ast.parse(p.read_text())))
+
+
+def test_a_test_marked_alone_imports_none_of_the_backend_either() -> None:
+    wrong = {}
+    for path in sorted(TESTS.rglob("test_*.py")):
+        for fn in _marked_functions(ast.parse(path.read_text())):
+            hits = sorted(n for n in _imports(path, within=fn) if n.startswith(BACKEND_MODULES))
+            if hits:
+                wrong[f"{path.relative_to(REPO)}::{fn.name}"] = hits
+    assert wrong == {}, f"marked backend_independent but import what the second pass changes: {wrong}"
 
 
 def test_some_modules_are_marked_and_none_of_them_imports_the_backend() -> None:
