@@ -31,9 +31,15 @@ persisted topology, and confirms membership as shards register again (their repo
 only when the persisted state is lost, or they changed meanwhile). It never issues an epoch at or below one
 already persisted or reported.
 
+A failed save (the GCS did not answer) publishes nothing: clients keep the last saved topology (or ``Busy``) and
+housekeeping saves again every half second. A level order is broadcast even if its save failed: the level must
+move under pressure, and the shards report its epoch back, so a restarted coordinator still goes past it.
+
 The plain class :class:`Coordinator` is wrapped with ``ray.remote`` in one place
 (:func:`kvd.cluster.deploy.actor_class`); :mod:`kvd.cluster.deploy` starts, locates and stops a whole kvd on a
-connected Ray. Every Ray call here has a timeout.
+connected Ray. Every wait for a shard (``ray.wait``, ``ray.get``) is bounded by ``ray_timeout_s`` or less, and
+calls on actors are sent without waiting; ``ray.get_actor`` (a shard's handle, looked up once and kept) and the
+internal KV calls of :class:`RayKV` take no timeout, as Ray offers none: they wait as long as the GCS does.
 """
 
 from __future__ import annotations
@@ -65,7 +71,16 @@ _PUSH_TIMEOUT_S = 2.0  # a namespace push waits this long for the shards (a dead
 
 
 class RayKV:
-    """Persisted coordinator state in Ray's internal KV (GCS). Failures are logged, never fatal."""
+    """Persisted coordinator state in Ray's internal KV (GCS). Failures are logged, never fatal: :meth:`load`
+    returns ``{}`` and :meth:`save` False.
+
+    Why a private Ray API (``ray.experimental.internal_kv``): the state must outlive the coordinator's process
+    (Ray restarts the actor) and last exactly as long as the Ray cluster, with nothing else to run or mount.
+    Ray's public API has no key-value store; its GCS has this one, which Ray's own libraries persist to (Serve's
+    controller, the job manager). The price is an API without a stability promise: kvd pins one Ray version
+    (pyproject.toml), and tests/integration/test_lifecycle.py kills a coordinator that must then serve its saved
+    topology again, so an upgrade that breaks this class fails the suite rather than a restart in production.
+    """
 
     def __init__(self, key: str) -> None:
         self._key = key
@@ -237,7 +252,7 @@ class Coordinator:
         topology_epoch = self._membership.topology_epoch
         outcome = self._membership.report(ShardReport(**report), now=self._clock())
         if outcome.order is not None or self._membership.topology_epoch != topology_epoch:
-            self._persist()  # before the broadcast: an epoch is durable before any shard applies it
+            self._persist()  # before the broadcast; should it fail, the shards carry the epoch (module docstring)
         if outcome.order is not None:
             self._orders.put(outcome.order)
         if not outcome.known:
@@ -289,20 +304,23 @@ class Coordinator:
 
     # -------------------------------------------------------------------------------------- internals
 
-    def _persist(self, *, force: bool = False) -> None:
+    def _persist(self, *, force: bool = False) -> bool:
         """Save the state if it changed, then publish its topology to clients once complete: a topology is
-        served only after it was saved, so a restarted coordinator never serves an epoch it cannot recall."""
+        served only after it was saved, so a restarted coordinator never serves an epoch it cannot recall.
+        False if the save failed (``kv.save`` returned False: the GCS did not answer): nothing is marked saved
+        or published, and the next call (housekeeping makes one every ``_HOUSEKEEPING_S``) tries again."""
         # One writer at a time, so a slower save of an older state never lands after a newer one.
         with self._persist_lock:
-            self._membership.take_dirty()
             state = self._membership.state()
             state["endpoint"] = self._server.endpoint
             if force or state != self._saved:
-                self._kv.save(state)
+                if not self._kv.save(state):
+                    return False  # clients keep the last saved topology; housekeeping retries
                 self._saved = state
             if self._membership.published_topology(self._clock()) is not None:
                 self._served = {"epoch": state["topology_epoch"],
                                 "shards": [{"id": s["id"], "endpoint": s["endpoint"]} for s in state["shards"]]}
+            return True
 
     def _client_topology(self) -> dict[str, Any]:
         """What the topology endpoint serves: the last published topology, with the level in force; ``Busy``

@@ -1,7 +1,9 @@
 """Starting, finding and stopping a whole kvd on a connected Ray: the one place the plain actor classes meet
 ``ray.remote`` (:func:`actor_class`), :func:`deploy`, :func:`find`, :func:`teardown`, and :func:`wait_until`;
 :func:`deploy_metrics` serves the Prometheus metrics of a kvd from the cluster itself (a detached `kvd up` has no
-process left to serve them). Every Ray call here has a timeout."""
+process left to serve them). Every wait for an actor (``ray.get``, ``ray.wait``) is bounded by a timeout;
+``ray.get_actor``, ``ray.kill`` and the state deletion (Ray's internal KV) take none, as Ray offers none: they
+return as soon as the GCS answers, and would wait as long as a GCS that does not."""
 
 from __future__ import annotations
 

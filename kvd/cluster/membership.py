@@ -257,7 +257,6 @@ class Membership:
             self._level = policy.level
             self._epoch = int(recovered_epoch) + 1
             self._seed = None
-        self._epoch_dirty = True  # the caller should persist (level, epoch) at least once
 
     # ----------------------------------------------------------------------------------------- properties
 
@@ -294,14 +293,6 @@ class Membership:
                 "namespaces_version": self._namespaces_version,
             }
 
-    def take_dirty(self) -> tuple[Level, int, int] | None:
-        """``(level, epoch, topology_epoch)`` if they changed since the last call (to persist), else None."""
-        with self._lock:
-            if not self._epoch_dirty:
-                return None
-            self._epoch_dirty = False
-            return self._level, self._epoch, self._topology_epoch
-
     # ------------------------------------------------------------------------------------------- events
 
     def register(
@@ -332,7 +323,6 @@ class Membership:
                 if name not in self._namespaces:
                     self._namespaces[str(name)] = _layout(name, layout)
                     self._namespaces_version += 1
-                    self._epoch_dirty = True
             old = self._shards.get(shard_id)
             if old is None:
                 self._shards[shard_id] = ShardState(
@@ -377,7 +367,6 @@ class Membership:
                 self._epoch = report.epoch
                 self._level = Level.from_tag(report.level)
                 self._seed = self._level
-                self._epoch_dirty = True
             self._note_applied(report.shard_id, report.epoch, now)
             self._fresh.add(report.shard_id)
             self._expire(now)
@@ -431,7 +420,6 @@ class Membership:
                 )
             self._namespaces[namespace] = new
             self._namespaces_version += 1
-            self._epoch_dirty = True
             return True
 
     # ------------------------------------------------------------------------------------------ queries
@@ -550,7 +538,6 @@ class Membership:
 
     def _bump_topology(self) -> None:
         self._topology_epoch += 1
-        self._epoch_dirty = True
 
     def _raise_topology_floor(self, seen: int) -> None:
         """A shard was handed topology epoch ``seen`` by a predecessor whose state is lost: go past it, so
@@ -645,7 +632,6 @@ class Membership:
             return None
         previous, self._level = self._level, level
         self._epoch += 1
-        self._epoch_dirty = True
         cfg = self._policy.config
         threshold = None
         if level > previous:

@@ -20,7 +20,8 @@ import zmq.auth
 
 from kvd.config import run_file_path, write_run_file
 
-pytestmark = pytest.mark.integration
+# kvd's command line, run as subprocesses without KVD_PURE_PYTHON (ENV)
+pytestmark = [pytest.mark.integration, pytest.mark.backend_independent]
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("KVD_") or k in ("KVD_KERNELS",)},

@@ -18,7 +18,8 @@ from kvd.wire.server import TopologyServer
 # a sibling test module (pytest puts this directory on sys.path): the `kvd` process helper
 from test_cli import free_port, kvd  # isort: skip
 
-pytestmark = pytest.mark.integration
+# kvd ping as a subprocess without KVD_PURE_PYTHON; the TopologyServer is its target
+pytestmark = [pytest.mark.integration, pytest.mark.backend_independent]
 
 
 @pytest.fixture

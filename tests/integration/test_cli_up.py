@@ -22,7 +22,8 @@ from kvd.config import read_run_file
 # a sibling test module (pytest puts this directory on sys.path): the `kvd up` process helper
 from test_cli import ENV, REPO, Running, free_port, kvd  # isort: skip
 
-pytestmark = pytest.mark.integration
+# kvd up / down as subprocesses without KVD_PURE_PYTHON (test_cli.ENV)
+pytestmark = [pytest.mark.integration, pytest.mark.backend_independent]
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 

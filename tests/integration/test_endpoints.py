@@ -32,6 +32,9 @@ def run(*argv: str) -> tuple[subprocess.CompletedProcess[str], float]:
     return result, time.monotonic() - t0
 
 
+# the client under test runs in a subprocess without KVD_PURE_PYTHON (ENV): the same build in both of bin/test's
+# passes
+@pytest.mark.backend_independent
 @pytest.mark.parametrize("cls", ["Client", "AsyncClient"])
 @pytest.mark.parametrize("address", ["127.0.0.1:17000", "tcp://127.0.0.1", "tcp://127.0.0.1:0", "tcp://:7070",
                                      "tcp://127.0.0.1:99999", "udp://127.0.0.1:7070"])
@@ -60,6 +63,7 @@ def test_a_list_of_endpoints_names_the_bad_one() -> None:
         assert check_endpoint("address", good) == good
 
 
+@pytest.mark.backend_independent  # `kvd status` in a subprocess without KVD_PURE_PYTHON
 def test_status_with_an_endpoint_without_scheme_is_a_usage_error_at_once() -> None:
     result, _ = run("-m", "kvd", "status", "--address", "127.0.0.1:17001", "--timeout", "1")
     assert result.returncode == 2, result.stdout + result.stderr

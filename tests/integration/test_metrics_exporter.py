@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
+# the exporter's figures and port, not the data path
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray"), pytest.mark.backend_independent]
 
 
 def _scrape(url: str, want: str, timeout_s: float = 20.0) -> str:

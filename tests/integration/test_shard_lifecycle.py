@@ -149,6 +149,18 @@ def test_register_goes_through_the_cluster_first_and_a_refusal_registers_nothing
 # ------------------------------------------------------------------------------ the coordinator, without Ray
 
 
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordinator's pushes to shards find no shard actor, without asking Ray: ``ray.get_actor`` in a process
+    where Ray is not initialized starts a whole local Ray (about 25 s, in a background thread of the test)."""
+    from kvd.cluster.coordinator import Coordinator
+
+    def no_handle(self: Any, shard_id: str) -> Any:
+        raise LookupError(f"no Ray in this test: no actor for {shard_id}")
+
+    monkeypatch.setattr(Coordinator, "_handle", no_handle)
+
+
 class MemoryKV:
     """The coordinator's persisted state in memory (what RayKV keeps in Ray's internal KV), as JSON."""
 
@@ -166,12 +178,27 @@ class MemoryKV:
         self.data = {}
 
 
+class FailingKV(MemoryKV):
+    """A :class:`MemoryKV` whose saves fail (return False, as RayKV does when the GCS does not answer) while
+    :attr:`failing` is set; counts every attempt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = False
+        self.attempts = 0
+
+    def save(self, data: dict[str, Any]) -> bool:
+        self.attempts += 1
+        return False if self.failing else super().save(data)
+
+
 def _report(sid: str, inc: str, endpoint: str, topology_epoch: int) -> dict[str, Any]:
     return {"shard_id": sid, "incarnation": inc, "endpoint": endpoint, "used_bytes": 0,
             "capacity_bytes": 1 << 20, "level": "fp16", "epoch": 1, "topology_epoch": topology_epoch}
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_ray")
 def test_a_coordinator_publishes_only_saved_complete_topologies_and_serves_them_again_after_a_restart() -> None:
     from kvd.cluster.coordinator import Coordinator
     from kvd.config import load_config
@@ -207,6 +234,7 @@ def test_a_coordinator_publishes_only_saved_complete_topologies_and_serves_them_
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_ray")
 def test_a_coordinator_that_lost_its_state_goes_past_the_shards_epochs_and_keeps_broadcasting() -> None:
     from kvd.cluster.coordinator import Coordinator
     from kvd.config import load_config
@@ -226,5 +254,50 @@ def test_a_coordinator_that_lost_its_state_goes_past_the_shards_epochs_and_keeps
         # ... and the level broadcaster is still there for the next order (give a wrongly stopped one time to go)
         coordinator._threads[0].join(timeout=0.5)
         assert all(t.is_alive() for t in coordinator._threads)
+    finally:
+        coordinator.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_ray")
+def test_a_topology_whose_save_failed_is_not_served_and_the_save_is_retried() -> None:
+    """``RayKV.save`` returns False when the GCS does not answer: the coordinator must then keep serving the last
+    topology it saved (``Busy`` if none), and save again later without waiting for another change."""
+    from kvd.cluster.coordinator import Coordinator
+    from kvd.cluster.deploy import wait_until
+    from kvd.config import load_config
+
+    config = load_config(env={}, overrides={"cluster.shards": 2, "cluster.port": 0,
+                                            "cluster.report_interval_s": 0.1})
+    kv = FailingKV()
+    kv.failing = True
+    coordinator = Coordinator(config, host="127.0.0.1", kv=kv)
+    try:
+        coordinator.register("shard-0", "tcp://127.0.0.1:1", "a0")
+        coordinator.register("shard-1", "tcp://127.0.0.1:2", "a1")
+        assert coordinator.topology()["epoch"] > 0 and kv.data == {}
+        with pytest.raises(Busy):  # complete, but not saved: a restart could not serve it again
+            coordinator._client_topology()
+        assert not coordinator.status()["topology_published"]
+
+        kv.failing = False
+        attempts = kv.attempts
+        wait_until(lambda: coordinator.status()["topology_published"], timeout_s=10, what="the retried save")
+        assert kv.attempts > attempts  # housekeeping saved it again, with no new event
+        served = coordinator._client_topology()
+        assert kv.data["topology_epoch"] == served["epoch"]
+        assert [s["id"] for s in served["shards"]] == ["shard-0", "shard-1"]
+
+        kv.failing = True  # a shard restarts (new incarnation, new port) while the GCS is away
+        coordinator.register("shard-1", "tcp://127.0.0.1:3", "a1-bis")
+        assert coordinator.topology()["epoch"] > served["epoch"]
+        still = coordinator._client_topology()
+        assert (still["epoch"], still["shards"]) == (served["epoch"], served["shards"])  # the saved one
+
+        kv.failing = False
+        wait_until(lambda: coordinator._client_topology()["epoch"] > served["epoch"], timeout_s=10,
+                   what="the new topology, once saved")
+        assert kv.data["topology_epoch"] == coordinator._client_topology()["epoch"]
+        assert kv.data["shards"][1]["endpoint"] == "tcp://127.0.0.1:3"
     finally:
         coordinator.stop()

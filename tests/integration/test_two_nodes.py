@@ -31,7 +31,8 @@ import pytest
 # a sibling test module (pytest puts this directory on sys.path): the environment and port helpers
 from test_cli import ENV, REPO, free_port  # isort: skip
 
-pytestmark = pytest.mark.integration
+# ray start / kvd up as subprocesses without KVD_PURE_PYTHON; the client only drives them
+pytestmark = [pytest.mark.integration, pytest.mark.backend_independent]
 
 HEAD_IP, WORKER_IP = "127.0.0.3", "127.0.0.2"
 RAY = str(Path(sys.executable).with_name("ray"))

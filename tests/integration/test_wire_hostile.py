@@ -265,7 +265,8 @@ def busy_twice() -> Callable[[Any], Any]:
 def test_a_call_refused_busy_until_its_timeout_raises_busy_not_timeout() -> None:
     """Busy says the request did not run; a retry cut off by the deadline would say Timeout (an append: maybe
     run). With replies 0.3 s apart and a 1 s timeout, the retry sent at ~0.6 s could only be answered after the
-    deadline: the client stops at the Busy it has (CI saw the Timeout 2 times in 40 with a real shard)."""
+    deadline: the client stops at the Busy it has (CI saw the Timeout 2 times in 40 with a real shard). That it
+    raised Busy, not Timeout, is what shows it gave up before the deadline; no third attempt was sent."""
     def slow_busy(req: Any) -> Any:
         time.sleep(0.3)
         return p.ErrorReply(request_id=req.request_id, code=Busy.code, error="Busy", message="queue full")
@@ -275,10 +276,8 @@ def test_a_call_refused_busy_until_its_timeout_raises_busy_not_timeout() -> None
         with Client(server.endpoint, timeout_s=1.0) as c:
             for call in (lambda: c.append(NS, 1, *kv(tokens=1)), lambda: c.length(NS, 1)):
                 before = len(server.requests)
-                t0 = time.monotonic()
                 with pytest.raises(Busy, match="queue full"):
-                    call()
-                assert time.monotonic() - t0 < 1.0  # it gave up before the deadline, with the answer it had
+                    call()  # with the answer it had, not a Timeout after waiting for one past the deadline
                 assert len(server.requests) - before == 2  # one retry fitted, a third attempt would not
     finally:
         server.close()

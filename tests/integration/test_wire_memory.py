@@ -6,7 +6,6 @@ the offenders are cut, the client is served, and the memory is given back once t
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgpack
@@ -16,6 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvd.client import Client
+from kvd.cluster.deploy import wait_until
 from kvd.wire import protocol as p
 
 # a sibling test module (pytest puts this directory on sys.path): the server-process helpers
@@ -95,13 +95,11 @@ def test_oversize_and_slow_peers_at_once_pin_a_bounded_amount_and_it_is_given_ba
                 cut += 1
         # ... and every request of the slow peers was received and ran
         with Client(server.endpoint, timeout_s=30) as c:
-            deadline = time.monotonic() + 60
-            while True:
+            def all_ran() -> bool:
                 stats = c.shard_stats()[0]
-                if stats["server_requests"] >= SLOW_PEERS * SLOW_GETS and stats["server_queue_depth"] == 0:
-                    break
-                assert time.monotonic() < deadline, stats
-                time.sleep(0.05)
+                return stats["server_requests"] >= SLOW_PEERS * SLOW_GETS and stats["server_queue_depth"] == 0
+
+            wait_until(all_ran, timeout_s=60, what="every request of the slow peers to run")
         peak = _status(pid, "VmHWM") - rss_before
         metrics = server.metrics()
         # the bound: what the server keeps for its limits (two legal messages in, two out) plus allocator slack;
@@ -115,10 +113,8 @@ def test_oversize_and_slow_peers_at_once_pin_a_bounded_amount_and_it_is_given_ba
             sock.close(0)
         for mon in monitors:
             mon.close(0)
-        deadline = time.monotonic() + 20
-        while (grown := _status(pid, "VmRSS") - rss_before) > 48 * MIB:
-            assert time.monotonic() < deadline, f"{grown / MIB:.0f} MiB were not given back after the peers left"
-            time.sleep(0.1)
+        wait_until(lambda: _status(pid, "VmRSS") - rss_before <= 48 * MIB, timeout_s=20,
+                   what="the memory to be given back after the peers left (grown by more than 48 MiB)")
         with Client(server.endpoint, timeout_s=30) as c:
             keys, values = c.get(NS, "big")
             assert np.array_equal(keys, k) and np.array_equal(values, v)
@@ -172,7 +168,8 @@ def test_the_guard_counts_a_long_lived_client_exactly(tmp_path: Any, secure: boo
             c.get(NS, f"s{i % 40}", 0, 1)
         guard = server._guard
         assert guard is not None
-        time.sleep(0.1)  # readiness: the guard has met the connection (the monitor's events are read every 10 ms)
+        # readiness: the guard has met the connection (the monitor's events are read every 10 ms)
+        wait_until(lambda: len(guard._conns) == 1, timeout_s=10, what="the guard to meet the connection")
         (conn,) = list(guard._conns.values())
         info = guard._info(conn)
         assert info is not None

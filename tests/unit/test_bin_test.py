@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.backend_independent  # bin/test's install decision, in bash: no kvd code runs
+
 REPO = Path(__file__).resolve().parents[2]
 
 

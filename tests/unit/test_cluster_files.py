@@ -21,6 +21,8 @@ from kvd.cluster.deploy import shard_memory_request
 from kvd.config import load_config
 from kvd.config.parsers import parse_size
 
+pytestmark = pytest.mark.backend_independent  # manifests and settings: no kernel, no compiled module
+
 CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 GIB = 1 << 30
 

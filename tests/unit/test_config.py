@@ -22,6 +22,8 @@ from kvd.config.settings import (
 from kvd.errors import ConfigError
 from kvd.policy import Level, PolicyConfig
 
+pytestmark = pytest.mark.backend_independent  # settings: no kernel, no compiled module
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -13,6 +13,8 @@ import pytest
 from kvd.config import load_config
 from kvd.config.settings import ENV_PREFIX, SETTINGS
 
+pytestmark = pytest.mark.backend_independent  # settings: no kernel, no compiled module
+
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = {s.section.upper() for s in SETTINGS.values()}
 

@@ -9,6 +9,8 @@ from kvd.cluster.membership import Membership, ShardReport
 from kvd.errors import InvalidArgument, LayoutMismatch
 from kvd.policy import Level, Policy, PolicyConfig
 
+pytestmark = pytest.mark.backend_independent  # the control plane's pure core: no kernel, no compiled module
+
 INTERVAL_S = 0.5
 CAP = 1000
 # alpha = 1: the EWMA is the last sample, so each round's level follows from its pressure alone.
@@ -285,15 +287,6 @@ def test_history_records_crossing_decision_application_and_relief() -> None:
     c.round(780)  # re-compression freed memory: below the threshold, inside the hysteresis band
     assert c.m.level is Level.Q8
     assert c.m.history()[-1].relieved_at == c.now
-
-
-def test_take_dirty_reports_state_to_persist_once_per_change() -> None:
-    c = Cluster(2).start()
-    assert c.m.take_dirty() == (Level.FP16, 1, 2)
-    assert c.m.take_dirty() is None
-    c.round(900)
-    assert c.m.take_dirty() == (Level.Q8, 2, 2)
-    assert c.m.take_dirty() is None
 
 
 # --------------------------------------------------------------------------------------------- recovery

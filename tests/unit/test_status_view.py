@@ -9,6 +9,8 @@ import pytest
 from kvd.cli.status import disk_table, imbalance, serving_table, shard_table, status_line
 from kvd.cluster.metrics import StatusMetrics
 
+pytestmark = pytest.mark.backend_independent  # kvd status tables from given figures: no kernel, no compiled module
+
 
 def shard(level: str, pressure: float, **extra: object) -> dict:
     return {
