@@ -1,6 +1,10 @@
 """A kvd with a disk tier as an operator runs it: `kvd up --disk` spills what memory cannot hold, serves it back
 through the same client, shows it in `kvd status` and the metrics, serves it again after its shard process is
-killed (Ray restarts it on the same disk), and after a stop and a new `kvd up` on the same --disk-path."""
+killed (Ray restarts it on the same disk), and after a stop and a new `kvd up` on the same --disk-path.
+
+Backend-independent: the kvd under test runs in `kvd up` processes whose environment drops KVD_PURE_PYTHON
+(test_cli.ENV), so bin/test's second pass would only run the same build again; the disk tier's code runs in both
+passes in tests/unit/test_store_disk.py and tests/integration/test_disk_faults.py."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from kvd.cluster.deploy import wait_until
 from test_cli import Running, free_port, kvd  # isort: skip
 from test_cli_up import process_tree  # isort: skip
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.backend_independent]
 
 NS = "model"
 L, H, D = 4, 2, 64

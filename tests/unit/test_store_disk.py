@@ -310,3 +310,21 @@ def test_files_move_more_buffers_than_one_system_call_takes(tmp_path):
     with pytest.raises(EOFError):
         files.read_into(path, 10, back)  # the file ends before the buffers are full
     assert files.scan(str(tmp_path)) == [(path, os.path.getsize(path))]
+
+
+def test_a_store_reports_every_disk_key_the_status_view_reads(tmp_path):
+    """tests/unit/test_status_view.py draws the disk table and the exporter from these keys (its DISK)."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_status_view import DISK
+
+    s = make(str(tmp_path))
+    fill(s, 30)
+    s.flush()
+    s.get(NS, 0)
+    stats = s.stats()
+    s.close(persist=False)
+    assert set(DISK) <= set(stats)
+    assert all(type(stats[k]) is type(v) for k, v in DISK.items()), [k for k, v in DISK.items()
+                                                                      if type(stats[k]) is not type(v)]

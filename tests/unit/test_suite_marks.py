@@ -32,6 +32,8 @@ BACKEND_MODULES = (
 DRIVERS_ONLY = {
     "test_cli_ping.py": "a TopologyServer for the `kvd ping` subprocess to find",
     "test_two_nodes.py": "a client round trip through the kvd that `kvd up` started on two Ray nodes",
+    "test_disk_tier.py": "client round trips through the kvd that `kvd up --disk` started, its shard killed and "
+                         "the kvd restarted (the disk tier's own code runs in both passes: test_store_disk.py)",
 }
 
 
