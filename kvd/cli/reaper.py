@@ -24,6 +24,7 @@ import time
 MARK = "_KVD_UP_RUN"  # not KVD_*: those are settings (kvd.config)
 _SWEEP_S = 10.0  # how long to keep sweeping: a raylet killed in the same sweep may have started a worker
 _POLL_S = 0.05
+_QUIET_S = 3.0  # after `kvd up` died: sweep on until no marked process was seen for this long
 
 
 def marked(value: str, *, exclude: frozenset[int] = frozenset()) -> list[int]:
@@ -46,13 +47,20 @@ def marked(value: str, *, exclude: frozenset[int] = frozenset()) -> list[int]:
     return found
 
 
-def sweep(value: str, *, exclude: frozenset[int] = frozenset(), timeout_s: float = _SWEEP_S) -> int:
-    """SIGKILL every process marked ``value`` until none is left (or ``timeout_s``); how many were killed."""
+def sweep(value: str, *, exclude: frozenset[int] = frozenset(), timeout_s: float = _SWEEP_S,
+          quiet_s: float = 0.0) -> int:
+    """SIGKILL every process marked ``value`` until none has been seen for ``quiet_s`` (or ``timeout_s``); how
+    many were killed. ``quiet_s`` covers a process that a Ray process started just before it was killed, and
+    that appears only after a look that found none."""
     killed: set[int] = set()
-    deadline = time.monotonic() + timeout_s
+    now = time.monotonic()
+    deadline, seen = now + timeout_s, now
     while True:
         pids = marked(value, exclude=exclude)
-        if not pids or time.monotonic() > deadline:
+        now = time.monotonic()
+        if pids:
+            seen = now
+        if (not pids and now - seen >= quiet_s) or now > deadline:
             return len(killed)
         for pid in pids:
             try:
@@ -132,7 +140,7 @@ def main(argv: list[str]) -> int:
     if _alive(parent):  # a `kvd up` that finished: it stopped its Ray; sweep up what may have slipped through
         sweep(value, exclude=frozenset({os.getpid(), parent}))
         return 0
-    sweep(value, exclude=frozenset({os.getpid()}))
+    sweep(value, exclude=frozenset({os.getpid()}), quiet_s=_QUIET_S)
     if note:
         _forget_note(note, parent)
     return 0
