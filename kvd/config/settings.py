@@ -342,10 +342,6 @@ class Config:
         """The directory of one shard's disk tier."""
         return os.path.join(os.path.expanduser(self.cluster.disk_path), self.cluster.namespace, shard_id)
 
-    @property
-    def total_capacity_bytes(self) -> int:
-        return self.shard_capacity_bytes * self.cluster.shards
-
     def policy_config(self) -> PolicyConfig:
         """The :class:`PolicyConfig`: the profile, then any explicit numbers; the 8-bit rung from the store."""
         base = PolicyConfig.profile(self.policy.profile)
