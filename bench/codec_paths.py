@@ -1,6 +1,6 @@
 """What the codec's fast path for small requests saves (kvd.wire.protocol, "the fast path"): the same kvd client
-and ShardServer with its typed twin (kvd.wire._flatwire, as shipped since the fifteenth session), with its Python
-twin (the fourteenth session's), and with neither (the generic decoder only), in alternating rounds of one run,
+and ShardServer with its typed twin (kvd.wire._flatwire, as shipped), with its Python twin (the codec's pure
+fallback), and with neither (the generic decoder only), in alternating rounds of one run,
 server in another process over tcp://127.0.0.1.
 
     python bench/codec_paths.py                       # 1 and 16 tokens (4 and 64 KiB), 1 and 8 in flight
@@ -42,7 +42,7 @@ def _none(frames: Any, limits: Any) -> None:
 def use(path: str) -> None:
     """Make ``path`` the fast path of this process's codec (each function looks it up on the module at every
     call): "typed" reads and writes the four messages with kvd.wire._flatwire; "python" reads them with the
-    Python twin and writes them with the generic encoder (the fourteenth session); "generic": neither."""
+    Python twin and writes them with the generic encoder; "generic": neither."""
     typed = p._load_typed()
     if typed is None:
         raise SystemExit("kvd.wire._flatwire is not built: pip install -e . builds it")

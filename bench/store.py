@@ -174,8 +174,8 @@ def full_store_appends(quick: bool) -> list[list[str]]:
 def full_store_by_capacity(quick: bool) -> list[list[str]]:
     """1 MiB appends (256 tokens of one 7B-class layer, 8 KV heads x 128: a per-layer store's unit) to full fp16
     stores of growing capacity, every append evicting the least recently used sequence. A full store's append
-    must cost the same however many sequences it keeps (until the sixteenth session, every eviction rebuilt
-    the whole compaction log). Median us per append, next to numpy.copyto of the same bytes."""
+    must cost the same however many sequences it keeps (an eviction must not rebuild the whole compaction log:
+    docs/design.md). Median us per append, next to numpy.copyto of the same bytes."""
     rows = []
     layout, tokens = (1, 8, 128), 256
     caps = (64 << 20, 256 << 20) if quick else (256 << 20, 1 << 30, 4 << 30)

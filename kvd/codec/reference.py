@@ -34,7 +34,7 @@ Formats (codes):
   Rows may be *rotated*: ``y = FWHT(x) * (1/D)`` (the unnormalized fast Walsh-Hadamard transform, butterflies
   in order h = 1, 2, 4, ..., each pair ``(a, b) -> (a + b, a - b)``); decode applies ``FWHT`` again, which
   undoes it exactly in real arithmetic. The rotation spreads outliers across the row, which takes the
-  attention error of 4-bit values on real KV from about 6.1% to 5.4% (BENCHMARKS.md).
+  attention error of q4 on real KV from 9.24% to 8.78% (BENCHMARKS.md, "Kernels and codec").
 """
 
 from __future__ import annotations
