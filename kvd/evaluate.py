@@ -31,18 +31,25 @@ def load_sample(path: Path | None = None) -> tuple[list[tuple[np.ndarray, np.nda
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_queries: int = N_QUERIES) -> np.ndarray:
-    """Causal grouped-query attention of the last ``n_queries`` queries, float64 ``[n_queries, Hq, D]``.
+    """Causal grouped-query attention of the last ``n_queries`` queries (all of them if fewer), float64
+    ``[n_queries, Hq, D]``.
 
     ``q`` is ``[T, Hq, D]``; ``k`` and ``v`` are ``[T, H, D]`` with ``Hq`` a multiple of ``H``."""
     t, hq, d = q.shape
-    g = hq // k.shape[1]
-    qq = q[-n_queries:].astype(np.float64).transpose(1, 0, 2)  # [Hq, nq, D]
-    kk = np.repeat(k.astype(np.float64), g, axis=1).transpose(1, 0, 2)  # [Hq, T, D]
-    vv = np.repeat(v.astype(np.float64), g, axis=1).transpose(1, 0, 2)
-    s = qq @ kk.transpose(0, 2, 1) / np.sqrt(d)  # [Hq, nq, T]
-    s[:, np.arange(t)[None, :] > np.arange(t - n_queries, t)[:, None]] = -np.inf
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    return ((p / p.sum(axis=-1, keepdims=True)) @ vv).transpose(1, 0, 2)
+    h = k.shape[1]
+    g = hq // h
+    n_queries = min(n_queries, t)
+    # Each KV head with its g query heads as one [g * n_queries, D] block: contiguous matmuls, no repeated K/V.
+    qq = np.ascontiguousarray(q[-n_queries:].astype(np.float64).reshape(n_queries, h, g, d).transpose(1, 2, 0, 3))
+    kk = np.ascontiguousarray(k.astype(np.float64).transpose(1, 2, 0))  # [H, D, T]
+    vv = np.ascontiguousarray(v.astype(np.float64).transpose(1, 0, 2))  # [H, T, D]
+    s = (qq.reshape(h, g * n_queries, d) @ kk).reshape(h, g, n_queries, t) / np.sqrt(d)
+    s[..., np.arange(t)[None, :] > np.arange(t - n_queries, t)[:, None]] = -np.inf
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    o = s.reshape(h, g * n_queries, t) @ vv  # [H, g * n_queries, D]
+    return o.reshape(h, g, n_queries, d).transpose(2, 0, 1, 3).reshape(n_queries, hq, d)
 
 
 def eps_o(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: np.ndarray, v_hat: np.ndarray) -> float:
