@@ -32,10 +32,14 @@ def _serve(conn: Any, level: str, capacity: int, port: int, store_kwargs: dict[s
     store.set_level(level, 1)
     server = shard_server_class()(store, shard_id="engines-0", port=port)
     conn.send(server.start())
+    epoch = 1
     while True:
         cmd = conn.recv()
         if cmd == "stats":
             conn.send(store.stats())
+        elif isinstance(cmd, tuple) and cmd[0] == "level":
+            epoch += 1
+            conn.send(store.set_level(cmd[1], epoch))
         elif cmd == "stop":
             server.stop()
             store.close(persist=False)
@@ -44,7 +48,8 @@ def _serve(conn: Any, level: str, capacity: int, port: int, store_kwargs: dict[s
 
 
 class KvdServer:
-    """A kvd shard server in a spawn process, at a fixed precision ``level``; :attr:`endpoint` once it serves."""
+    """A kvd shard server in a spawn process, at precision ``level`` (:meth:`set_level` changes it);
+    :attr:`endpoint` once it serves."""
 
     def __init__(self, level: str = "fp16", capacity_bytes: int = 1 << 30, port: int = 0,
                  **store_kwargs: Any) -> None:
@@ -57,6 +62,12 @@ class KvdServer:
             self.proc.kill()
             raise RuntimeError("the kvd server process did not report its endpoint")
         self.endpoint: str = self._conn.recv()
+
+    def set_level(self, level: str) -> None:
+        """The level new pages are sealed at from now on (a coordinator's order, as a cluster would give it)."""
+        self._conn.send(("level", level))
+        assert self._conn.poll(10), "the kvd server did not answer"
+        assert self._conn.recv(), f"the store did not take level {level}"
 
     def stats(self) -> dict[str, Any]:
         self._conn.send("stats")

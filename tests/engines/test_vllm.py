@@ -10,14 +10,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from engine_helpers import KvdServer, missing_engines  # isort: skip  (tests/engines/engine_helpers.py)
+from kvd.errors import KvdError
 
 _reason = missing_engines("torch", "vllm", "transformers")
 if _reason:
@@ -53,8 +54,8 @@ class Engine:
                 return json.loads(line[2:])
         raise AssertionError(f"the engine exited ({self.proc.wait(30)}) before answering {cmd}")
 
-    def generate(self, *texts: str, max_tokens: int = 24) -> list[dict[str, Any]]:
-        return self.ask({"generate": list(texts), "max_tokens": max_tokens})["outputs"]
+    def generate(self, *texts: str, max_tokens: int = 24, logprobs: int | None = None) -> list[dict[str, Any]]:
+        return self.ask({"generate": list(texts), "max_tokens": max_tokens, "logprobs": logprobs})["outputs"]
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -205,9 +206,7 @@ def test_kvd_stopped_mid_run_the_engine_recomputes_and_answers(model_folder: Pat
         assert eng.ask({"flush": 30})["flushed"]
         assert eng.generate(PROMPT)[0]["cached"] > 0
         srv.stop()
-        t0 = time.monotonic()
         after = eng.generate(PROMPT, OTHER)
-        elapsed = time.monotonic() - t0
         assert eng.ask({"flush": 30})["flushed"]  # the saves it tried are given up, not stuck
         counters = eng.ask({"counters": 1})
     finally:
@@ -215,22 +214,82 @@ def test_kvd_stopped_mid_run_the_engine_recomputes_and_answers(model_folder: Pat
         srv.stop()
     assert after[0]["cached"] == 0 and after[0]["token_ids"] == ref["token_ids"]
     assert after[1]["cached"] == 0 and len(after[1]["token_ids"]) == 24
-    assert elapsed < 20, f"a dead kvd cost {elapsed:.1f} s"
-    assert counters["save_failed_blocks"] + counters["save_dropped_blocks"] > 0
+    # A dead kvd costs one timeout, then the link is down and the other saves fail at once: fewer calls waited
+    # for the timeout than saves were given up (a link that waited on every save would make them equal).
+    given_up = counters["save_failed_blocks"] + counters["save_dropped_blocks"]
+    assert given_up >= 2 and 1 <= counters["link_failures"] < given_up, counters
 
 
-def test_synchronous_saves_are_in_kvd_when_the_step_ends(model_folder: Path) -> None:
-    """kvd_async_saves=false: no flush needed, the very next request hits."""
+@pytest.fixture(scope="module")
+def sync_engine(model_folder: Path) -> Iterator[tuple[KvdServer, Engine]]:
+    """An engine whose saves are synchronous (kvd_async_saves=false), and its own kvd server."""
     srv = KvdServer(level="fp16")
     eng = Engine(model_folder, srv.endpoint, extra={"kvd_async_saves": False})
     try:
-        miss = eng.generate(PROMPT)[0]
-        hit = eng.generate(PROMPT)[0]
+        yield srv, eng
     finally:
         eng.close()
         srv.stop()
+
+
+def forget_prompt(srv: KvdServer, eng: Engine) -> list[str]:
+    """Drop PROMPT's blocks from kvd (a test on a shared engine starts from a miss); returns their keys."""
+    from kvd.client import Client
+    from kvd.integrations import prefix
+
+    ids = eng.ask({"tokenize": PROMPT})["ids"]
+    keys = prefix.block_keys(ids, BLOCK)
+    with Client(srv.endpoint) as kv:
+        namespace = eng.ask({"namespace": 1})["namespace"]
+        for key in keys:
+            try:
+                kv.drop(namespace, key)
+            except KvdError:  # nothing stored yet: not even the namespace
+                pass
+    return keys
+
+
+def test_synchronous_saves_are_in_kvd_when_the_step_ends(sync_engine: tuple[KvdServer, Engine]) -> None:
+    """kvd_async_saves=false: no flush needed, the very next request hits."""
+    srv, eng = sync_engine
+    srv.set_level("fp16")
+    forget_prompt(srv, eng)
+    miss = eng.generate(PROMPT)[0]
+    hit = eng.generate(PROMPT)[0]
     assert miss["cached"] == 0 and hit["cached"] == (len(hit["prompt_ids"]) - 1) // BLOCK * BLOCK
     assert hit["token_ids"] == miss["token_ids"]
+
+
+# The level's measured error (BENCHMARKS.md, "Quality a user sees": the largest next-token KL over 1,280 scored
+# positions of 5 real texts). A load that mixed up layers, heads or tokens would be orders of magnitude off.
+LEVEL_KL = {"q8": 5e-3, "q4": 1e-1}
+
+
+@pytest.mark.parametrize("level", sorted(LEVEL_KL))
+def test_blocks_stored_compressed_load_within_the_levels_error(sync_engine: tuple[KvdServer, Engine],
+                                                               level: str) -> None:
+    """kvd at q8 or q4: the engine loads the blocks it stored at that level, and its next-token distribution
+    stays within the level's error of the one it computed (vLLM's top 20 tokens, KL over those both list)."""
+    from kvd.client import Client
+    from kvd.integrations import prefix
+
+    srv, eng = sync_engine
+    srv.set_level(level)
+    keys = forget_prompt(srv, eng)
+    computed = eng.generate(PROMPT, max_tokens=1, logprobs=20)[0]  # a miss: computed, stored at the level
+    loaded = eng.generate(PROMPT, max_tokens=1, logprobs=20)[0]
+    assert keys == prefix.block_keys(computed["prompt_ids"], BLOCK)
+    assert computed["cached"] == 0 and loaded["cached"] == (len(loaded["prompt_ids"]) - 1) // BLOCK * BLOCK
+    with Client(srv.endpoint) as kv:
+        assert kv.explain(eng.ask({"namespace": 1})["namespace"], keys[1], 0, 0)["level"] == level
+    want, got = computed["first_logprobs"], loaded["first_logprobs"]
+    both = [t for t in want if t in got]
+    assert len(both) >= 10, (want, got)
+    lw = np.array([want[t] for t in both])
+    lg = np.array([got[t] for t in both])
+    lw, lg = lw - np.logaddexp.reduce(lw), lg - np.logaddexp.reduce(lg)  # both renormalised over those tokens
+    kl = float(np.sum(np.exp(lw) * (lw - lg)))
+    assert 0 <= kl <= LEVEL_KL[level], kl
 
 
 def test_a_prompt_prefilled_in_chunks_is_saved_whole(model_folder: Path) -> None:

@@ -7,9 +7,12 @@ its KV connector in a process-wide global, and a kvd server must be stoppable wh
 
 then on stdin, one command per line, each answered by one JSON line on stdout (prefixed ``@@``):
 
-- ``{"generate": [text, ...], "max_tokens": n}`` -> ``{"outputs": [{"token_ids": [...], "cached": n}, ...]}``
+- ``{"generate": [text, ...], "max_tokens": n, "logprobs": k}`` -> ``{"outputs": [{"token_ids": [...], "cached": n,
+  "first_logprobs": {token id: logprob} (the first generated token's top k, with k)}, ...]}``
+- ``{"tokenize": text}`` -> ``{"ids": [...]}``: the prompt's token ids, as generate gets them
 - ``{"flush": seconds}`` -> ``{"flushed": bool}``: waits for the connector's saves to reach kvd
-- ``{"counters": true}`` -> the worker connector's counters
+- ``{"counters": true}`` -> the worker connector's counters, and ``link_failures``: how many calls of its saver
+  waited for kvd's timeout (each failure marks kvd down for ``kvd_retry_after_s``)
 - ``{"quit": true}``
 """
 
@@ -48,18 +51,24 @@ def main() -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if "generate" in cmd:
-            sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 16), ignore_eos=True)
+            sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 16), ignore_eos=True,
+                                logprobs=cmd.get("logprobs"))
             t0 = time.perf_counter()
             outs = llm.generate(cmd["generate"], sp, use_tqdm=False)
             reply = {"seconds": time.perf_counter() - t0, "outputs": [
                 {"token_ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
-                 "prompt_ids": list(o.prompt_token_ids)} for o in outs]}
+                 "prompt_ids": list(o.prompt_token_ids),
+                 "first_logprobs": {str(t): lp.logprob for t, lp in (o.outputs[0].logprobs or [{}])[0].items()}}
+                for o in outs]}
         elif "flush" in cmd:
             reply = {"flushed": connector.wait_saves(cmd["flush"]) if connector is not None else True}
+        elif "tokenize" in cmd:
+            reply = {"ids": list(llm.get_tokenizer().encode(cmd["tokenize"]))}
         elif "namespace" in cmd:
             reply = {"namespace": connector.namespace if connector is not None else None}
         elif "counters" in cmd:
-            reply = dict(connector.counters) if connector is not None else {}
+            reply = {**connector.counters, "link_failures": connector._saver._link.failures} \
+                if connector is not None else {}
         elif "quit" in cmd:
             print("@@" + json.dumps({"bye": True}), flush=True)
             break
