@@ -171,12 +171,17 @@ def test_the_guard_counts_a_long_lived_client_exactly(tmp_path: Any, secure: boo
         # readiness: the guard has met the connection (the monitor's events are read every 10 ms)
         wait_until(lambda: len(guard._conns) == 1, timeout_s=10, what="the guard to meet the connection")
         (conn,) = list(guard._conns.values())
-        info = guard._info(conn)
-        assert info is not None
-        received, acked = info[0] - conn.base_received, info[1] - conn.base_acked
-        took, gave = guard.delivered[conn.fd] - conn.base_in, guard.sent[conn.fd] - conn.base_out
-        # what the counts leave unexplained: the end of the handshake and heartbeats, a few hundred bytes (a byte
-        # per frame miscounted would be 4,800 or more)
-        assert abs(received - took) < 2048, (received, took)
-        assert abs(acked - gave) < 2048, (acked, gave)
+
+        def unexplained() -> tuple[int, int]:
+            info = guard._info(conn)
+            assert info is not None
+            received, acked = info[0] - conn.base_received, info[1] - conn.base_acked
+            took, gave = guard.delivered[conn.fd] - conn.base_in, guard.sent[conn.fd] - conn.base_out
+            return received - took, acked - gave
+
+        # What the counts leave unexplained: the end of the handshake and heartbeats, a few hundred bytes, once the
+        # last reply's TCP acknowledgement is in (a loaded host may delay it). A byte per frame miscounted would be
+        # 4,800 or more, and would never settle.
+        wait_until(lambda: max(map(abs, unexplained())) < 2048, timeout_s=10,
+                   what="the guard's estimate to settle under 2 KiB")
         assert server.metrics()["peers_cut"] == 0
