@@ -6,10 +6,6 @@ count above zero can only come from kvd. The prompt shares a 3-block prefix (blo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +14,7 @@ import numpy as np
 import pytest
 
 from engine_helpers import KvdServer, missing_engines  # isort: skip  (tests/engines/engine_helpers.py)
+import vllm_engine  # isort: skip  (tests/engines/vllm_engine.py)
 from kvd.errors import KvdError
 
 _reason = missing_engines("torch", "vllm", "transformers")
@@ -31,43 +28,46 @@ PREFIX = ("The history of the city begins with a small fishing village on the ba
 PROMPT = PREFIX + "Summarize the story in one sentence."
 OTHER = PREFIX + "Which trade made the town rich?"
 BLOCK = 128
-RUNNER = Path(__file__).with_name("vllm_engine.py")
 
 
 class Engine:
-    """One vLLM engine process; :meth:`ask` sends a command and returns its JSON reply."""
+    """One vLLM engine process (vllm_engine.run, from a forkserver with vLLM imported); :meth:`ask` sends a
+    command and returns its reply."""
 
     def __init__(self, model: Path, endpoint: str | None, **options: Any) -> None:
-        args = {"model": str(model), "endpoint": endpoint, **options}
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
-        self.proc = subprocess.Popen([sys.executable, str(RUNNER), json.dumps(args)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        assert self.ask(None).get("ready"), "the engine did not start"
+        ctx = vllm_engine.context()
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=vllm_engine.run, args=({"model": str(model), "endpoint": endpoint,
+                                                                **options}, child), daemon=True)
+        self.proc.start()
+        child.close()
+        assert self.ask(None, timeout_s=300).get("ready"), "the engine did not start"
 
-    def ask(self, cmd: dict[str, Any] | None) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if cmd is not None:
-            self.proc.stdin.write(json.dumps(cmd) + "\n")
-            self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith("@@"):
-                return json.loads(line[2:])
-        raise AssertionError(f"the engine exited ({self.proc.wait(30)}) before answering {cmd}")
+    def ask(self, cmd: dict[str, Any] | None, timeout_s: float = 300) -> dict[str, Any]:
+        try:
+            if cmd is not None:
+                self.conn.send(cmd)
+            if self.conn.poll(timeout_s):
+                return self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            pass
+        self.proc.join(5)
+        raise AssertionError(f"the engine ended ({self.proc.exitcode}) or did not answer {cmd} in {timeout_s} s")
 
     def generate(self, *texts: str, max_tokens: int = 24, logprobs: int | None = None) -> list[dict[str, Any]]:
         return self.ask({"generate": list(texts), "max_tokens": max_tokens, "logprobs": logprobs})["outputs"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.is_alive():
             try:
-                self.ask({"quit": True})
-            except (AssertionError, BrokenPipeError, OSError):
+                self.ask({"quit": True}, timeout_s=60)
+            except AssertionError:
                 pass
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
+            self.proc.join(60)
+            if self.proc.is_alive():
                 self.proc.kill()
-                self.proc.wait(10)
+                self.proc.join(10)
+        self.conn.close()
 
 
 @pytest.fixture(scope="module")
