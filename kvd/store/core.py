@@ -6,9 +6,12 @@ A namespace fixes a layout (``num_layers`` L, ``num_kv_heads`` H, ``head_dim`` D
 list of sealed pages of ``page_tokens`` (P) tokens plus at most one *hot tail*. All layers receive the same
 tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P, (r+1)*P)`` of every layer.
 
-* **Hot tail.** One float16 array ``[2, L, P, H, D]`` (keys, values) per sequence, allocated lazily when a token
-  lands in a partial page and written in place. When it fills, the row is sealed and the array is reused for
-  the next tokens or released; a sequence whose length is a multiple of P holds no tail.
+* **Hot tail.** One float16 array ``[2, L, C, H, D]`` (keys, values) per sequence, allocated lazily when a token
+  lands in a partial page and written in place. Its capacity C is what it holds rounded up to a power of two, at
+  most P (:func:`~kvd.store.sequences.tail_tokens`): a tail that must hold more grows to the next step (a new
+  array, the tokens it held copied over), an append that seals the row seals it from a whole page (the tail grown
+  to P first if it is smaller), and the tokens left after a seal go to a tail of their own size; a sequence whose
+  length is a multiple of P holds no tail.
 * **Sealing.** A full page is encoded with :func:`kvd.pages.encode_into` into a *record* (one ``bytearray``:
   key page, value page, 32-byte history trailer; :mod:`kvd.store.pool`) at the format of the level in force,
   unless protected: a page holding any of the prompt's first ``sink_tokens`` tokens (a sequence's token 0 is
@@ -23,7 +26,7 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   walks the log from the oldest row and re-encodes (decode, then encode at the new format) every page on a
   lower rung, within a byte budget per call. Re-encoding an 8-bit page to q4 quantizes a second time, so its
   error is that of q4 plus the 8-bit error it already had. Level drops only change new pages.
-* **Accounting.** ``used_bytes`` = every record's length + every hot tail's full size + the pool's free buffers
+* **Accounting.** ``used_bytes`` = every record's length + every hot tail's size + the pool's free buffers
   + stated metadata charges (:mod:`kvd.store.pool`: per page, per logged row, per sequence and layer, per
   namespace; a forgotten sequence's log entries stop counting at once and are freed at a later prune, never
   more than the live ones: :class:`~kvd.store.sequences.CompactionLog`). An append computes the bytes it will
@@ -39,7 +42,7 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   capacity (as a Redis command may exceed ``maxmemory`` by its own size), the price of not reading the tokens
   once more to refuse NaN/Inf first.
 * **All or nothing.** An append validates shapes and dtypes, then builds every new buffer (pages it seals, pages
-  leaving the window, a new tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
+  leaving the window, a new or grown tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
   tokens that will sit in the hot tail are checked before they are copied; either way the error names the
   value as ``keys[layer, token, head, dim]``. Only then does it make room and commit, with operations that
   cannot fail. On any error the new buffers go back where they came from and nothing was evicted (a valid
@@ -109,6 +112,7 @@ from kvd.store.sequences import (
     int_arg,
     int_tuple,
     seq_id_arg,
+    tail_tokens,
 )
 from kvd.store.spill import OnDisk, Spilling
 
@@ -395,13 +399,13 @@ class Store(Compaction, Eviction, Spilling):
         f, r0, f2, r2 = n % p, n // p, n2 % p, n2 // p
         out2 = max(0, n2 - self.window_tokens) // p  # rows entirely older than the window after this append
         fits = self._ledger.used <= self.capacity_bytes
-        if seq is not None and f and r2 == r0 and out2 <= seq.window_done and fits:
-            # The decode step's case: the tokens stay in the hot tail, so nothing is sealed, allocated or leaves
-            # the window; what the general path below does then, without its planning.
+        tail = seq.tail if seq is not None else None  # (a sequence holds a tail exactly when f > 0)
+        cap = tail.shape[2] if tail is not None else 0
+        if seq is not None and tail is not None and r2 == r0 and f2 <= cap and out2 <= seq.window_done and fits:
+            # The decode step's case: the tokens fit in the hot tail as it is, so nothing is sealed, allocated or
+            # leaves the window; what the general path below does then, without its planning.
             sp.refuse_nonfinite(k16, "keys", n)
             sp.refuse_nonfinite(v16, "values", n)
-            tail = seq.tail
-            assert tail is not None
             np.copyto(tail[0, :, f:f2], k16)
             np.copyto(tail[1, :, f:f2], v16)
             seq.length = n2
@@ -410,7 +414,15 @@ class Store(Compaction, Eviction, Spilling):
         wd = seq.window_done if seq is not None else 0
         rows = range(r0, r2)  # rows this append seals
         exits = [r for r in range(wd, min(r0, out2)) if r >= sink_rows]  # sealed rows leaving the window
-        new_tail = f == 0 and f2 > 0
+        # The hot tail's buffers. Row r0 is sealed from the tail when this append completes it; that needs a whole
+        # page, so a smaller tail is first copied into one (`grow_to` P). A tail that keeps its row but must hold
+        # more than its capacity grows to the next step. The tail after the append is then that buffer (`dst`:
+        # the old tail or the grown one) if it keeps its row or, after a seal, if the tokens left need a page;
+        # else a new buffer of their size (`new_tail`), and no tail when none are left.
+        seal_tail = bool(f) and r2 > r0
+        grow_to = (p if cap < p else 0) if seal_tail else (tail_tokens(f2, p) if f and f2 > cap else 0)
+        reuse = bool(f2) and (not seal_tail or tail_tokens(f2, p) == p) if f else False
+        new_tail = bool(f2) and not reuse
 
         def plan() -> tuple[list[store_seq.RowPlan], int]:
             """1. what this append allocates at its peak, at the level in force (nothing is touched yet)"""
@@ -422,7 +434,8 @@ class Store(Compaction, Eviction, Spilling):
             # charges PAGE_META_BYTES on top of its bytes (the page's own metadata moves with the new record)
             need += len(exits) * len(ns.quant_layers) * (ns.rec_bytes[self._fmt] + sp.PAGE_META_BYTES) \
                 if self._fmt != RAW else 0
-            need += ns.tail_bytes + sp.TAIL_META_BYTES if new_tail else 0
+            need += ns.token_bytes * grow_to + sp.TAIL_META_BYTES if grow_to else 0
+            need += ns.token_bytes * tail_tokens(f2, p) + sp.TAIL_META_BYTES if new_tail else 0
             need += ns.seq_meta if seq is None else 0
             return plans, need
 
@@ -449,7 +462,8 @@ class Store(Compaction, Eviction, Spilling):
         taken = sp.Taken()
         sealed: list[tuple[list[bytearray], store_seq.RowPlan]] = []
         swaps: list[tuple[int, int, bytearray]] = []
-        tail = seq.tail if seq is not None else None
+        dst = tail  # the buffer that receives this append's first tokens of row r0 (f > 0)
+        next_tail = None  # a new buffer for the tokens left after a seal, or for a sequence's first partial row
         keep = min(t, f2)  # the last `keep` input tokens end in the hot tail: checked here, copied below
         try:
             if keep:
@@ -457,21 +471,25 @@ class Store(Compaction, Eviction, Spilling):
                 sp.refuse_nonfinite(v16[:, t - keep :], "values", n2 - keep, first=n)
             if f:
                 assert tail is not None
+                if grow_to:
+                    dst = self._ledger.take_tail((2, ns.layers, grow_to, ns.heads, ns.head_dim), taken)
+                    np.copyto(dst[:, :, :f], tail[:, :, :f])
+                assert dst is not None
                 m = min(t, p - f)  # rows [f, f+m) of the tail are not visible until the length moves
-                np.copyto(tail[0, :, f : f + m], k16[:, :m])
-                np.copyto(tail[1, :, f : f + m], v16[:, :m])
+                np.copyto(dst[0, :, f : f + m], k16[:, :m])
+                np.copyto(dst[1, :, f : f + m], v16[:, :m])
             jobs: list[sp.SealJob] = []
             for r, plan in zip(rows, plans, strict=True):
                 if r == r0 and f:
-                    assert tail is not None
-                    src_k, src_v, a = tail[0], tail[1], 0
+                    assert dst is not None
+                    src_k, src_v, a = dst[0], dst[1], 0
                 else:
                     src_k, src_v, a = k16, v16, r * p - n
                 recs = sp.take_row(self._ledger.pool, plan.layers, taken)
                 jobs.append((recs, plan.layers, plan.batch, src_k, src_v, a, r))
                 sealed.append((recs, plan))
             exit_flags = sp.FLAG_WINDOW | self._ahead_flag()
-            parallel = len(jobs) * ns.tail_bytes >= page_batch.PARALLEL_MIN_BYTES
+            parallel = len(jobs) * ns.row_bytes >= page_batch.PARALLEL_MIN_BYTES
             if evict or 2 * k16.nbytes < UNLOCKED_MIN_BYTES:
                 sp.seal_rows(jobs, p, parallel=parallel, first=n)
             else:  # a large append that fits encodes without the lock (the module docstring, "Threads")
@@ -492,9 +510,9 @@ class Store(Compaction, Eviction, Spilling):
                     kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
                     swaps.append((i, r, self._seal(ns, lf, kp, vp, i, r, taken, exit_flags)))
             if new_tail:
-                tail = self._ledger.take_tail(ns.tail_shape, taken)
-                np.copyto(tail[0, :, :f2], k16[:, t - f2 :])
-                np.copyto(tail[1, :, :f2], v16[:, t - f2 :])
+                next_tail = self._ledger.take_tail(ns.tail_shape(f2), taken)
+                np.copyto(next_tail[0, :, :f2], k16[:, t - f2 :])
+                np.copyto(next_tail[1, :, :f2], v16[:, t - f2 :])
             if evict:  # built and checked: only now may other sequences make way for it
                 self._make_room(need, key)
         except BaseException:
@@ -530,18 +548,20 @@ class Store(Compaction, Eviction, Spilling):
                 seq.nbytes += sp.ROW_META_BYTES
                 self._ledger.meta_bytes += sp.ROW_META_BYTES
         seq.window_done = max(wd, out2)
-        if new_tail:
-            assert tail is not None
-            seq.tail = tail
-            seq.nbytes += self._ledger.add_tail(tail)
-        elif f and r2 > r0:
-            assert seq.tail is not None
-            if f2:
-                np.copyto(seq.tail[0, :, :f2], k16[:, t - f2 :])
-                np.copyto(seq.tail[1, :, :f2], v16[:, t - f2 :])
-            else:
-                seq.nbytes -= self._ledger.remove_tail(seq.tail, pool=True)
-                seq.tail = None
+        if reuse and seal_tail:  # the row was sealed from `dst`: the tokens left now take its first rows
+            assert dst is not None
+            np.copyto(dst[0, :, :f2], k16[:, t - f2 :])
+            np.copyto(dst[1, :, :f2], v16[:, t - f2 :])
+        after = dst if reuse else next_tail
+        if after is not tail:
+            if tail is not None:
+                seq.nbytes -= self._ledger.remove_tail(tail, pool=True)
+            if dst is not tail and dst is not after:  # a page the row was sealed from, and nothing more
+                assert dst is not None
+                self._ledger.free_tail(dst)
+            if after is not None:
+                seq.nbytes += self._ledger.add_tail(after)
+            seq.tail = after
         seq.length = n2
         self._tokens += t
         return seq
