@@ -208,6 +208,21 @@ def full_store_by_capacity(quick: bool) -> list[list[str]]:
     return rows
 
 
+def decode_times(s: Store, layout: tuple[int, int, int], sequences: int) -> list[float]:
+    """Seconds of each one-token append to ``sequences`` sequences of 256 tokens, each dropped when the next is
+    full (steady state: buffers come from the pool); the first sequence, which warms the pool, is left out."""
+    k, v = random_kv(layout, 1)
+    times = []
+    for seq in range(sequences):
+        for _ in range(256):
+            t0 = time.perf_counter()
+            s.append("m", seq, k, v)
+            times.append(time.perf_counter() - t0)
+        if seq:
+            s.drop("m", seq - 1)
+    return times[256:]
+
+
 def decode_steps(quick: bool) -> list[list[str]]:
     """Per layout, fp16 and q4: one-token appends (the decode step) to sequences of 256 tokens in steady state
     (each sequence dropped when full, so records come from the pool): median and mean us per append; the mean
@@ -216,16 +231,7 @@ def decode_steps(quick: bool) -> list[list[str]]:
     for name, layout in LAYOUTS.items():
         for level in ("fp16", "q4"):
             s = make_store(level, layout)
-            k, v = random_kv(layout, 1)
-            times = []
-            for seq in range(2 if quick else 8):
-                for _ in range(256):
-                    t0 = time.perf_counter()
-                    s.append("m", seq, k, v)
-                    times.append(time.perf_counter() - t0)
-                if seq:
-                    s.drop("m", seq - 1)
-            times = times[256:]  # the first sequence warms the pool
+            times = decode_times(s, layout, 2 if quick else 8)
             med, mean = statistics.median(times) * 1e6, statistics.mean(times) * 1e6
             rows.append([name, level, f"{med:.1f}", f"{mean:.1f}"])
             del s
@@ -249,16 +255,7 @@ def tail_round(quick: bool) -> dict[str, float]:
             out[f"{short} bytes {n}"] = s.stats()["used_bytes"] - sp.namespace_meta_bytes(layout[0])
             del s
         s = make_store("fp16", layout)
-        k, v = random_kv(layout, 1)
-        times = []
-        for seq in range(2 if quick else 6):
-            for _ in range(256):
-                t0 = time.perf_counter()
-                s.append("m", seq, k, v)
-                times.append(time.perf_counter() - t0)
-            if seq:
-                s.drop("m", seq - 1)
-        times = times[256:]  # the first sequence warms the pool
+        times = decode_times(s, layout, 2 if quick else 6)
         out[f"{short} decode median"] = statistics.median(times) * 1e6
         out[f"{short} decode mean"] = statistics.mean(times) * 1e6
         del s
