@@ -3,6 +3,7 @@
     python bench/store.py            # the full tables (about 2 minutes with compiled kernels)
     python bench/store.py --quick    # a smoke run with small sizes (well under a minute)
     python bench/store.py --only full   # only the appends to full stores
+    python bench/store.py --only tail --against DIR   # the hot tail's cost against another kvd tree
 
 1. Append and get throughput in GB/s of fp16 bytes (keys + values), medians over repetitions, per level, for
    the sample layout (30 layers, 3 KV heads, head_dim 64) and a 7B-class layout (32 layers, 8 KV heads,
@@ -19,6 +20,12 @@
    128-token block per sequence (what the vLLM connector does): every block at position 0, as before protocol
    1.3 (each block's first page kept fp16 as a sink page), against each block at its prompt position.
 3. Re-compression (compact) from fp16 to q4: GB/s of stored fp16 pages re-encoded.
+5. The hot tail (``--only tail``): bytes held by a sequence of 1, 16 and 63 tokens (used_bytes of a store holding
+   only it, less the namespace's charge), decode-step appends (one token, median and mean us, the mean carrying
+   the appends that grow or seal the tail) and prefill appends (one append of a 200-token prompt: three pages
+   sealed, an 8-token tail; median us). ``--against DIR`` runs the same measurements on the kvd source tree in
+   DIR (built: a copy of a checkout's ``kvd/`` with its compiled modules) in alternating subprocesses, and
+   gives each figure's ratio to it.
 4. Attention error of the real sample read back through the store, sink and window on and off:
    eps_O = ||softmax(q K^T / sqrt(d)) V - O|| / ||O||, causal, grouped-query (9 query heads share 3 KV heads),
    the last 256 queries, O from the unquantized keys (post-RoPE) and values; mean and worst over 30 layers.
@@ -28,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,7 +45,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+def _tree() -> str:
+    """The kvd source tree this process measures: this checkout's, or the one named by ``--tree`` (a child of
+    ``--against``)."""
+    if "--tree" in sys.argv:
+        return sys.argv[sys.argv.index("--tree") + 1]
+    return str(Path(__file__).resolve().parents[1])
+
+
+sys.path.insert(0, _tree())
 
 from kvd.codec import batch as page_batch  # noqa: E402
 from kvd.codec import kernels
@@ -190,6 +208,21 @@ def full_store_by_capacity(quick: bool) -> list[list[str]]:
     return rows
 
 
+def decode_times(s: Store, layout: tuple[int, int, int], sequences: int) -> list[float]:
+    """Seconds of each one-token append to ``sequences`` sequences of 256 tokens, each dropped when the next is
+    full (steady state: buffers come from the pool); the first sequence, which warms the pool, is left out."""
+    k, v = random_kv(layout, 1)
+    times = []
+    for seq in range(sequences):
+        for _ in range(256):
+            t0 = time.perf_counter()
+            s.append("m", seq, k, v)
+            times.append(time.perf_counter() - t0)
+        if seq:
+            s.drop("m", seq - 1)
+    return times[256:]
+
+
 def decode_steps(quick: bool) -> list[list[str]]:
     """Per layout, fp16 and q4: one-token appends (the decode step) to sequences of 256 tokens in steady state
     (each sequence dropped when full, so records come from the pool): median and mean us per append; the mean
@@ -198,20 +231,72 @@ def decode_steps(quick: bool) -> list[list[str]]:
     for name, layout in LAYOUTS.items():
         for level in ("fp16", "q4"):
             s = make_store(level, layout)
-            k, v = random_kv(layout, 1)
-            times = []
-            for seq in range(2 if quick else 8):
-                for _ in range(256):
-                    t0 = time.perf_counter()
-                    s.append("m", seq, k, v)
-                    times.append(time.perf_counter() - t0)
-                if seq:
-                    s.drop("m", seq - 1)
-            times = times[256:]  # the first sequence warms the pool
+            times = decode_times(s, layout, 2 if quick else 8)
             med, mean = statistics.median(times) * 1e6, statistics.mean(times) * 1e6
             rows.append([name, level, f"{med:.1f}", f"{mean:.1f}"])
             del s
     return rows
+
+
+# ------------------------------------------------------------------------------------------ 5. the hot tail
+
+TAIL_LENGTHS = (1, 16, 63)
+PROMPT = 200
+
+
+def tail_round(quick: bool) -> dict[str, float]:
+    """One round of the hot tail's measurements in this process (the tree on sys.path): ``{figure: value}``."""
+    out: dict[str, float] = {}
+    for name, layout in LAYOUTS.items():
+        short = name.split(" ")[0]
+        for n in TAIL_LENGTHS:
+            s = make_store("fp16", layout)
+            s.append("m", 1, *random_kv(layout, n))
+            out[f"{short} bytes {n}"] = s.stats()["used_bytes"] - sp.namespace_meta_bytes(layout[0])
+            del s
+        s = make_store("fp16", layout)
+        times = decode_times(s, layout, 2 if quick else 6)
+        out[f"{short} decode median"] = statistics.median(times) * 1e6
+        out[f"{short} decode mean"] = statistics.mean(times) * 1e6
+        del s
+        s = make_store("fp16", layout)
+        k, v = random_kv(layout, PROMPT)
+        times = []
+        for seq in range(6 if quick else 30):
+            t0 = time.perf_counter()
+            s.append("m", seq, k, v)
+            times.append(time.perf_counter() - t0)
+            if seq:
+                s.drop("m", seq - 1)
+        out[f"{short} prefill median"] = statistics.median(times[1:]) * 1e6
+        del s
+    return out
+
+
+def tail_table(quick: bool, against: str | None) -> None:
+    """The hot tail's figures of this tree (medians over rounds), and with ``against`` the other tree's, measured
+    in alternating subprocesses, and the ratio this / other."""
+    rounds = 1 if quick else 5
+    trees = [("this", _tree())] + ([("against", against)] if against else [])
+    got: dict[str, list[dict[str, float]]] = {label: [] for label, _ in trees}
+    for r in range(rounds):
+        for label, tree in trees if r % 2 == 0 else trees[::-1]:
+            cmd = [sys.executable, __file__, "--tail-round", "--tree", tree] + (["--quick"] if quick else [])
+            res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            got[label].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    med = {label: {key: statistics.median(x[key] for x in runs) for key in runs[0]} for label, runs in got.items()}
+    header = ["figure", "this tree"] + (["against", "this / against"] if against else [])
+    rows = []
+    for key, value in med["this"].items():
+        unit = "bytes" if " bytes " in key else "us"
+        fmt = (lambda x: f"{x:,.0f}") if unit == "bytes" else (lambda x: f"{x:.1f}")
+        row = [f"{key} ({unit})", fmt(value)]
+        if against:
+            base = med["against"][key]
+            row += [fmt(base), f"{value / base:.3f}x"]
+        rows.append(row)
+    print(f"## The hot tail ({rounds} rounds, medians; against: {against or '-'})\n")
+    table(header, rows)
 
 
 # ------------------------------------------------------------------------------------------ 2. tokens per GiB
@@ -372,10 +457,18 @@ def main() -> None:
         "--one-thread", action="store_true",
         help="never split a large append or get over the codec's second thread (the default splits from 4 MiB)",
     )  # fmt: skip
-    ap.add_argument("--only", choices=("full",), help="only one table: full = appends to a full store")
+    ap.add_argument("--only", choices=("full", "tail"),
+                    help="only one table: full = appends to a full store, tail = the hot tail's cost")
+    ap.add_argument("--against", metavar="DIR", help="with --only tail: a kvd source tree to compare with")
+    ap.add_argument("--tree", help=argparse.SUPPRESS)  # (read by _tree: the tree a --tail-round child measures)
+    ap.add_argument("--tail-round", action="store_true", help=argparse.SUPPRESS)  # a child of --only tail
     args = ap.parse_args()
     if args.one_thread:
         page_batch.PARALLEL_MIN_BYTES = 1 << 62
+    if args.tail_round:
+        tune_malloc()
+        print(json.dumps(tail_round(args.quick)))
+        return
     t0 = time.perf_counter()
     # A shard's process recycles large buffers (ShardServer.start calls tune_malloc): measure the store there.
     tuned = not args.default_malloc and tune_malloc()
@@ -387,6 +480,9 @@ def main() -> None:
 
     if args.only == "full":
         full_table(args.quick)
+        return
+    if args.only == "tail":
+        tail_table(args.quick, args.against)
         return
     print("## Throughput (GB/s of fp16 keys + values; medians)\n")
     table(

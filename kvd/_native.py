@@ -41,6 +41,7 @@ COMPILED = (
     "codec.assemble",
     "codec.batch",
     "codec.pages",
+    "store.append",
     "store.buffers",
     "store.compact",
     "store.core",

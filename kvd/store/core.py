@@ -6,9 +6,12 @@ A namespace fixes a layout (``num_layers`` L, ``num_kv_heads`` H, ``head_dim`` D
 list of sealed pages of ``page_tokens`` (P) tokens plus at most one *hot tail*. All layers receive the same
 tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P, (r+1)*P)`` of every layer.
 
-* **Hot tail.** One float16 array ``[2, L, P, H, D]`` (keys, values) per sequence, allocated lazily when a token
-  lands in a partial page and written in place. When it fills, the row is sealed and the array is reused for
-  the next tokens or released; a sequence whose length is a multiple of P holds no tail.
+* **Hot tail.** One float16 array ``[2, L, C, H, D]`` (keys, values) per sequence, allocated lazily when a token
+  lands in a partial page and written in place. Its capacity C is what it holds rounded up to a power of two, at
+  most P (:func:`~kvd.store.sequences.tail_tokens`): a tail that must hold more grows to the next step (a new
+  array, the tokens it held copied over), an append that seals the row seals it from a whole page (the tail grown
+  to P first if it is smaller), and the tokens left after a seal go to a tail of their own size; a sequence whose
+  length is a multiple of P holds no tail.
 * **Sealing.** A full page is encoded with :func:`kvd.pages.encode_into` into a *record* (one ``bytearray``:
   key page, value page, 32-byte history trailer; :mod:`kvd.store.pool`) at the format of the level in force,
   unless protected: a page holding any of the prompt's first ``sink_tokens`` tokens (a sequence's token 0 is
@@ -23,7 +26,7 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   walks the log from the oldest row and re-encodes (decode, then encode at the new format) every page on a
   lower rung, within a byte budget per call. Re-encoding an 8-bit page to q4 quantizes a second time, so its
   error is that of q4 plus the 8-bit error it already had. Level drops only change new pages.
-* **Accounting.** ``used_bytes`` = every record's length + every hot tail's full size + the pool's free buffers
+* **Accounting.** ``used_bytes`` = every record's length + every hot tail's size + the pool's free buffers
   + stated metadata charges (:mod:`kvd.store.pool`: per page, per logged row, per sequence and layer, per
   namespace; a forgotten sequence's log entries stop counting at once and are freed at a later prune, never
   more than the live ones: :class:`~kvd.store.sequences.CompactionLog`). An append computes the bytes it will
@@ -39,7 +42,7 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   capacity (as a Redis command may exceed ``maxmemory`` by its own size), the price of not reading the tokens
   once more to refuse NaN/Inf first.
 * **All or nothing.** An append validates shapes and dtypes, then builds every new buffer (pages it seals, pages
-  leaving the window, a new tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
+  leaving the window, a new or grown tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
   tokens that will sit in the hot tail are checked before they are copied; either way the error names the
   value as ``keys[layer, token, head, dim]``. Only then does it make room and commit, with operations that
   cannot fail. On any error the new buffers go back where they came from and nothing was evicted (a valid
@@ -84,7 +87,6 @@ from typing import Any
 
 import numpy as np
 
-from kvd.codec import batch as page_batch
 from kvd.errors import (
     ConfigError,
     CorruptPage,
@@ -97,6 +99,7 @@ from kvd.policy import Level
 from kvd.store import buffers
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
+from kvd.store.append import UNLOCKED_MIN_BYTES, Appending, InFlight
 from kvd.store.compact import Compaction
 from kvd.store.disk import DEFAULT_WRITE_BUFFER_BYTES, DiskTier
 from kvd.store.evict import Eviction
@@ -113,24 +116,18 @@ from kvd.store.sequences import (
 from kvd.store.spill import OnDisk, Spilling
 
 __all__ = ["Store", "EIGHT_BIT_FORMATS", "PACK_FRAME_BYTES", "DEFAULT_PAGE_TOKENS", "DEFAULT_SINK_TOKENS",
-           "DEFAULT_WINDOW_TOKENS", "OnDisk", "ReadTooLarge"]
+           "DEFAULT_WINDOW_TOKENS", "OnDisk", "ReadTooLarge", "UNLOCKED_MIN_BYTES"]
 
 DEFAULT_PAGE_TOKENS = 64
 DEFAULT_SINK_TOKENS = 4
 DEFAULT_WINDOW_TOKENS = 0
 EIGHT_BIT_FORMATS = ("q8", "fp8_e4m3", "fp8_e5m2")
 MAX_EPOCH = 2**63 - 1
-# Appends and reads of at least this many bytes (keys + values, float16) encode or decode without the lock.
-UNLOCKED_MIN_BYTES = 1 << 20
 
 
 def _fp16_bytes(ns: Namespace, layers: int, tokens: int) -> int:
     """The bytes of float16 keys and values of ``tokens`` tokens of ``layers`` layers of ``ns``."""
     return 4 * layers * tokens * ns.heads * ns.head_dim
-
-
-class _InFlight(Exception):
-    """(Internal) an append must make room while other appends are in flight: wait for them, plan again."""
 
 
 class ReadTooLarge(Exception):
@@ -142,7 +139,7 @@ class ReadTooLarge(Exception):
         self.nbytes = nbytes
 
 
-class Store(Compaction, Eviction, Spilling):
+class Store(Appending, Compaction, Eviction, Spilling):
     """One shard's paged, adaptively quantized KV memory. See the module docstring for the model.
 
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
@@ -369,206 +366,12 @@ class Store(Compaction, Eviction, Spilling):
                 try:
                     seq = self._append(ns, key, seq, k16, v16, pos or 0)
                     break
-                except _InFlight:  # it must make room: that waits for the appends in flight, then plans again
+                except InFlight:  # it must make room: that waits for the appends in flight, then plans again
                     while self._pinned:
                         self._unpinned.wait()
             self._seqs.move_to_end(key)
             self._appends += 1
             return seq.length
-
-    def _loggable(self, ns: Namespace, row: int, sink_rows: int) -> bool:
-        # Protected rows never get compaction; rows sealed at q4 (the top rung) never need it.
-        return row >= sink_rows and bool(ns.quant_layers) and sp.RUNG[self._fmt] < 2
-
-    def _sink_rows_at(self, position: int) -> int:
-        """Rows of a sequence starting at prompt ``position`` that hold any of the prompt's sink tokens."""
-        return -(-(self.sink_tokens - position) // self.page_tokens) if position < self.sink_tokens else 0
-
-    def _append(
-        self, ns: Namespace, key: tuple[str, SeqId], seq: Seq | None, k16: np.ndarray, v16: np.ndarray,
-        position: int,
-    ) -> Seq:  # fmt: skip
-        p, t = self.page_tokens, k16.shape[1]
-        sink_rows = seq.sink_rows if seq is not None else self._sink_rows_at(position)
-        n = seq.length if seq is not None else 0
-        n2 = n + t
-        f, r0, f2, r2 = n % p, n // p, n2 % p, n2 // p
-        out2 = max(0, n2 - self.window_tokens) // p  # rows entirely older than the window after this append
-        fits = self._ledger.used <= self.capacity_bytes
-        if seq is not None and f and r2 == r0 and out2 <= seq.window_done and fits:
-            # The decode step's case: the tokens stay in the hot tail, so nothing is sealed, allocated or leaves
-            # the window; what the general path below does then, without its planning.
-            sp.refuse_nonfinite(k16, "keys", n)
-            sp.refuse_nonfinite(v16, "values", n)
-            tail = seq.tail
-            assert tail is not None
-            np.copyto(tail[0, :, f:f2], k16)
-            np.copyto(tail[1, :, f:f2], v16)
-            seq.length = n2
-            self._tokens += t
-            return seq
-        wd = seq.window_done if seq is not None else 0
-        rows = range(r0, r2)  # rows this append seals
-        exits = [r for r in range(wd, min(r0, out2)) if r >= sink_rows]  # sealed rows leaving the window
-        new_tail = f == 0 and f2 > 0
-
-        def plan() -> tuple[list[store_seq.RowPlan], int]:
-            """1. what this append allocates at its peak, at the level in force (nothing is touched yet)"""
-            plans = [self._row_plan(ns, r, out2, sink_rows) for r in rows]
-            need = sum(plan.need for plan in plans)
-            logged = [r for r in range(wd, out2) if self._loggable(ns, r, sink_rows)]
-            need += sp.ROW_META_BYTES * len(logged)
-            # a row leaving the window is re-encoded: a new record, and the old one may go to the pool, which
-            # charges PAGE_META_BYTES on top of its bytes (the page's own metadata moves with the new record)
-            need += len(exits) * len(ns.quant_layers) * (ns.rec_bytes[self._fmt] + sp.PAGE_META_BYTES) \
-                if self._fmt != RAW else 0
-            need += ns.tail_bytes + sp.TAIL_META_BYTES if new_tail else 0
-            need += ns.seq_meta if seq is None else 0
-            return plans, need
-
-        def validate() -> None:  # a full pass, only paid when the append does not fit
-            sp.refuse_nonfinite(k16, "keys", n)
-            sp.refuse_nonfinite(v16, "values", n)
-
-        plans, need = plan()
-        if self._pinned and self._ledger.used + need > self.capacity_bytes:
-            raise _InFlight  # nothing is touched yet; compressing and evicting run with no append in flight
-        if self._ledger.used + need > self.capacity_bytes and self._can_squeeze():
-            validate()  # bad data changes nothing, not even the level
-            # compress before forgetting (kvd.store.compact). A level the squeeze raised can make this append
-            # need more (rows leaving the window are then re-encoded): squeeze again for the new need.
-            while self._squeeze(need):
-                plans, need = plan()
-                if self._ledger.used + need <= self.capacity_bytes or not self._can_squeeze():
-                    break
-        lf = self._fmt
-        recode = lf != RAW and bool(ns.quant_layers)  # leaving the window means re-encoding at the level
-        evict = self._admit(need, seq, key, t, validate)
-
-        # 2. build everything off to the side
-        taken = sp.Taken()
-        sealed: list[tuple[list[bytearray], store_seq.RowPlan]] = []
-        swaps: list[tuple[int, int, bytearray]] = []
-        tail = seq.tail if seq is not None else None
-        keep = min(t, f2)  # the last `keep` input tokens end in the hot tail: checked here, copied below
-        try:
-            if keep:
-                sp.refuse_nonfinite(k16[:, t - keep :], "keys", n2 - keep, first=n)
-                sp.refuse_nonfinite(v16[:, t - keep :], "values", n2 - keep, first=n)
-            if f:
-                assert tail is not None
-                m = min(t, p - f)  # rows [f, f+m) of the tail are not visible until the length moves
-                np.copyto(tail[0, :, f : f + m], k16[:, :m])
-                np.copyto(tail[1, :, f : f + m], v16[:, :m])
-            jobs: list[sp.SealJob] = []
-            for r, plan in zip(rows, plans, strict=True):
-                if r == r0 and f:
-                    assert tail is not None
-                    src_k, src_v, a = tail[0], tail[1], 0
-                else:
-                    src_k, src_v, a = k16, v16, r * p - n
-                recs = sp.take_row(self._ledger.pool, plan.layers, taken)
-                jobs.append((recs, plan.layers, plan.batch, src_k, src_v, a, r))
-                sealed.append((recs, plan))
-            exit_flags = sp.FLAG_WINDOW | self._ahead_flag()
-            parallel = len(jobs) * ns.tail_bytes >= page_batch.PARALLEL_MIN_BYTES
-            if evict or 2 * k16.nbytes < UNLOCKED_MIN_BYTES:
-                sp.seal_rows(jobs, p, parallel=parallel, first=n)
-            else:  # a large append that fits encodes without the lock (the module docstring, "Threads")
-                self._pinned.add(key)
-                self._ledger.reserved += need
-                self._lock.release()
-                try:
-                    sp.seal_rows(jobs, p, parallel=parallel, first=n)
-                finally:
-                    self._lock.acquire()
-                    self._ledger.reserved -= need
-                    self._pinned.discard(key)
-                    self._unpinned.notify_all()  # waiters run once this append has committed (they need the lock)
-            for r in exits if recode else ():
-                assert seq is not None
-                for i in ns.quant_layers:
-                    old = seq.pages[i][r]
-                    kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
-                    swaps.append((i, r, self._seal(ns, lf, kp, vp, i, r, taken, exit_flags)))
-            if new_tail:
-                tail = self._ledger.take_tail(ns.tail_shape, taken)
-                np.copyto(tail[0, :, :f2], k16[:, t - f2 :])
-                np.copyto(tail[1, :, :f2], v16[:, t - f2 :])
-            if evict:  # built and checked: only now may other sequences make way for it
-                self._make_room(need, key)
-        except BaseException:
-            self._ledger.give_back(taken)
-            raise
-        self._ledger.adopt(taken)
-
-        # 3. commit (nothing below can fail)
-        if seq is None:
-            seq = Seq(ns, key, position, sink_rows)
-            self._seqs[key] = seq
-            ns.sequences += 1
-            self._ledger.meta_bytes += ns.seq_meta
-        for i, r, rec in swaps:
-            old = seq.pages[i][r]
-            seq.pages[i][r] = rec
-            seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=not self._readers)
-            self._window_encodes += 1
-        for recs, plan in sealed:
-            for page_list, rec in zip(seq.pages, recs, strict=True):
-                page_list.append(rec)
-            self._ledger.add_pages(plan.counts, ns.layers)
-            seq.nbytes += plan.need
-        q = ns.quant_layers
-        for r in range(wd, out2):  # rows now out of the window, oldest first: compaction candidates
-            if r >= sink_rows and q:
-                # rows out of the window are not yet compacted, so every quantized layer of one holds the
-                # same format (and so the same record size)
-                rec = seq.pages[q[0]][r]
-                ns.backlog[sp.current_fmt(rec)] += len(rec) * len(q)
-            if self._loggable(ns, r, sink_rows):
-                self._log.add(seq, r)
-                seq.nbytes += sp.ROW_META_BYTES
-                self._ledger.meta_bytes += sp.ROW_META_BYTES
-        seq.window_done = max(wd, out2)
-        if new_tail:
-            assert tail is not None
-            seq.tail = tail
-            seq.nbytes += self._ledger.add_tail(tail)
-        elif f and r2 > r0:
-            assert seq.tail is not None
-            if f2:
-                np.copyto(seq.tail[0, :, :f2], k16[:, t - f2 :])
-                np.copyto(seq.tail[1, :, :f2], v16[:, t - f2 :])
-            else:
-                seq.nbytes -= self._ledger.remove_tail(seq.tail, pool=True)
-                seq.tail = None
-        seq.length = n2
-        self._tokens += t
-        return seq
-
-    def _row_plan(self, ns: Namespace, row: int, out_rows: int, sink_rows: int) -> store_seq.RowPlan:
-        """How a row is sealed: raw if protected (sink; in the window, flagged as held there), else at the level
-        in force with raw layers raw."""
-        if row < sink_rows:
-            return ns.plan(RAW, 0, self._epoch)
-        if row >= out_rows:
-            return ns.plan(RAW, sp.FLAG_WINDOW, self._epoch)
-        return ns.plan(self._fmt, self._ahead_flag(), self._epoch)
-
-    def _ahead_flag(self) -> int:
-        return sp.FLAG_AHEAD_SEALED if self._ahead is not None and self._fmt != RAW else 0
-
-    def _seal(
-        self, ns: Namespace, fmt: str, kp: np.ndarray, vp: np.ndarray, layer: int, row: int, taken: sp.Taken,
-        flags: int,
-    ) -> bytearray:  # fmt: skip
-        rec = self._ledger.take_record(ns.rec_bytes[fmt], taken)
-        p = self.page_tokens
-        sp.encode_record(
-            rec, fmt, ns.page_bytes[fmt], kp, vp, raw_heads=ns.raw_heads, epoch=self._epoch, flags=flags,
-            where=f"layer {layer}, tokens [{row * p}, {row * p + p})",
-        )  # fmt: skip
-        return rec
 
     # ------------------------------------------------------------------------------------------ memory
 

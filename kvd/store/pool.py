@@ -398,6 +398,12 @@ class Ledger:
         self.meta_bytes += TAIL_META_BYTES
         return arr.nbytes + TAIL_META_BYTES
 
+    def free_tail(self, arr: np.ndarray) -> None:
+        """A taken tail buffer that was adopted but never counted in a page table (the whole page an append
+        sealed a row from, when the sequence's tail was smaller): uncount it and pool it if the bound allows."""
+        self.tail_bytes -= arr.nbytes
+        self.pool.give_tail(arr)
+
     def remove_tail(self, arr: np.ndarray, *, pool: bool) -> int:
         self.tails -= 1
         self.meta_bytes -= TAIL_META_BYTES

@@ -2,7 +2,8 @@
 
 A :class:`Namespace` fixes a layout and precomputes the byte size of every page format. A :class:`Seq` is one
 sequence's page table: per layer a list of sealed records (:mod:`kvd.store.pool`), one hot tail shared by all
-layers (``[2, L, P, H, D]`` float16: keys, values), and ``window_done``, the number of rows that have left the
+layers (``[2, L, C, H, D]`` float16: keys, values; its capacity C is :func:`tail_tokens` of what it holds, so a
+short sequence is charged for its tokens, not a page), and ``window_done``, the number of rows that have left the
 recent window. The functions here only read a sequence (decode pages, list them, explain one); everything that
 changes state, and the lock, stays in :class:`kvd.store.Store`.
 """
@@ -61,6 +62,13 @@ def seq_id_arg(seq_id: object) -> SeqId:
     if isinstance(seq_id, numbers.Integral) and not isinstance(seq_id, bool) and int(seq_id) >= 0:
         return int(seq_id)
     raise InvalidArgument(f"seq_id must be a str or a non-negative int, got {type(seq_id).__name__} {seq_id!r}")
+
+
+def tail_tokens(fill: int, page_tokens: int) -> int:
+    """The capacity (tokens) of a hot tail that holds ``fill`` tokens (``1 <= fill <= page_tokens``): the next
+    power of two, at most a page. So a tail grows by doubling (a growth copies the tokens it holds: about one copy
+    per token over a page) and never holds more than twice its tokens (docs/design.md, "A hot tail of its size")."""
+    return min(page_tokens, 1 << (fill - 1).bit_length())
 
 
 def rows_contiguous(a: np.ndarray) -> np.ndarray:
@@ -126,12 +134,14 @@ _MAX_PLANS = 64  # plans are cached per (format, flags, epoch): a bound against 
 
 class Namespace:
     """A registered layout with its byte sizes: ``page_bytes[fmt] = (key page, value page)``, ``rec_bytes[fmt]``
-    (both pages + trailer), the hot tail's shape and size, and the compaction backlog of its sequences."""
+    (both pages + trailer), ``token_bytes`` (float16 keys and values of one token of every layer: a hot tail's
+    bytes per token of capacity), ``row_bytes`` (the same for a row of pages), and the compaction backlog of its
+    sequences."""
 
     __slots__ = (
-        "name", "layers", "heads", "head_dim", "quant_layers", "raw_layer", "raw_heads", "page_bytes",
-        "rec_bytes", "tail_shape", "tail_bytes", "seq_meta", "sequences", "backlog", "_plans", "sizes_by_code",
-        "specs", "specs_by_code",
+        "name", "layers", "heads", "head_dim", "page_tokens", "quant_layers", "raw_layer", "raw_heads",
+        "page_bytes", "rec_bytes", "token_bytes", "row_bytes", "seq_meta", "sequences", "backlog", "_plans",
+        "sizes_by_code", "specs", "specs_by_code",
     )  # fmt: skip
 
     def __init__(
@@ -146,6 +156,7 @@ class Namespace:
         page_tokens: int,
     ) -> None:
         self.name, self.layers, self.heads, self.head_dim = name, layers, heads, head_dim
+        self.page_tokens = page_tokens
         self.raw_layer = [i in raw_layers for i in range(layers)]
         self.quant_layers = [i for i in range(layers) if not self.raw_layer[i]]
         self.raw_heads = raw_heads
@@ -169,13 +180,17 @@ class Namespace:
                 if ks is not None and vs is not None:
                     self.specs[fmt] = (ks, vs)
         self.specs_by_code = tuple(self.specs.get(fmt) for fmt in pages.LEVELS)
-        self.tail_shape = (2, layers, page_tokens, heads, head_dim)
-        self.tail_bytes = 2 * layers * page_tokens * heads * head_dim * 2
+        self.token_bytes = 2 * layers * heads * head_dim * 2
+        self.row_bytes = self.token_bytes * page_tokens
         self.seq_meta = sp.SEQ_META_BYTES + sp.LAYER_META_BYTES * layers
         self.sequences = 0
         # bytes of compaction-eligible records (unprotected, out of the window) by their current format
         self.backlog = dict.fromkeys(pages.LEVELS, 0)
         self._plans: dict[tuple[str, int, int], RowPlan] = {}
+
+    def tail_shape(self, fill: int) -> tuple[int, int, int, int, int]:
+        """The shape of a hot tail that holds ``fill`` tokens (its capacity: :func:`tail_tokens`)."""
+        return (2, self.layers, tail_tokens(fill, self.page_tokens), self.heads, self.head_dim)
 
     def plan(self, fmt: str, flags: int, epoch: int) -> RowPlan:
         """The :class:`RowPlan` of a row sealed at ``fmt`` (raw layers stay fp16) with trailer ``flags`` (not
@@ -232,7 +247,7 @@ class SeqView:
         self.ns = seq.ns
         self.length = seq.length
         self.pages = [list(recs) for recs in seq.pages]
-        sealed_end = len(seq.pages[0]) * seq.ns.tail_shape[2]
+        sealed_end = len(seq.pages[0]) * seq.ns.page_tokens
         fill = seq.length - sealed_end
         self.tail = seq.tail[:, :, :fill].copy() if seq.tail is not None and end > sealed_end else None
 

@@ -216,7 +216,8 @@ class Spilling:
         pages_n = sum(len(layer) for layer in recs)
         rows = [r for r in range(h.sink_rows, h.window_done)]
         need = record_bytes + sp.PAGE_META_BYTES * pages_n + ns.seq_meta + sp.ROW_META_BYTES * len(rows)
-        need += ns.tail_bytes + sp.TAIL_META_BYTES if tail is not None else 0
+        tail_shape = ns.tail_shape(tail.shape[2]) if tail is not None else None  # a tail of its size, as appends
+        need += ns.token_bytes * tail_shape[2] + sp.TAIL_META_BYTES if tail_shape is not None else 0
         if self._ledger.used + need > self.capacity_bytes and self._can_squeeze():
             while self._squeeze(need):  # compress before spilling or forgetting others
                 if self._ledger.used + need <= self.capacity_bytes or not self._can_squeeze():
@@ -236,8 +237,8 @@ class Spilling:
         for layer in seq.pages:
             for rec in layer:
                 seq.nbytes += led.add_page(rec)
-        if tail is not None:
-            arr, _ = led.pool.take_tail(ns.tail_shape)
+        if tail is not None and tail_shape is not None:
+            arr, _ = led.pool.take_tail(tail_shape)
             arr[:, :, : tail.shape[2]] = tail
             led.tail_bytes += arr.nbytes
             seq.tail = arr

@@ -82,7 +82,7 @@ def test_hot_tail_is_allocated_lazily() -> None:
     assert s.stats()["tail_pages"] == 0 and s.stats()["tail_bytes"] == 0
     s.append(NS, 1, k[:, 128:], v[:, 128:])
     assert s.stats()["tail_pages"] == 1
-    assert s.stats()["tail_bytes"] == 2 * 2 * 64 * 3 * 64 * 2  # [2, L, P, H, D] float16
+    assert s.stats()["tail_bytes"] == 2 * 2 * 1 * 3 * 64 * 2  # [2, L, 1, H, D] float16: a tail of its size
 
 
 @pytest.mark.parametrize("level", ["fp16", "q8", "q4"])

@@ -19,7 +19,11 @@ from kvd.store import sequences as store_seq
 NS = "m"
 MiB = 1 << 20
 L, H, D, P = 2, 3, 64, 64
-TAIL_BYTES = 2 * L * P * H * D * 2 + sp.TAIL_META_BYTES  # the [2, L, P, H, D] float16 buffer and its object
+
+def tail_bytes(fill: int) -> int:
+    """A hot tail holding ``fill`` tokens: its [2, L, C, H, D] float16 buffer (C: tail_tokens) and its object."""
+    return 2 * L * store_seq.tail_tokens(fill, P) * H * D * 2 + sp.TAIL_META_BYTES if fill else 0
+
 NS_META = sp.namespace_meta_bytes(L)
 SEQ_META = sp.SEQ_META_BYTES + L * sp.LAYER_META_BYTES
 
@@ -45,7 +49,7 @@ def record_bytes(fmt: str) -> int:
 def seq_bytes(length: int, fmt: str, sink_rows: int = 1) -> int:
     """What a sequence must account for: its pages, tail and the stated metadata charges."""
     rows = length // P
-    total = SEQ_META + (TAIL_BYTES if length % P else 0)
+    total = SEQ_META + tail_bytes(length % P)
     for r in range(rows):
         f = "fp16" if r < sink_rows else fmt
         total += L * (record_bytes(f) + sp.PAGE_META_BYTES)
@@ -72,7 +76,7 @@ def test_used_bytes_is_every_buffer_plus_the_stated_metadata(fmt: str) -> None:
     # and the same from the pages the store hands out
     from_pages = NS_META
     for sid, n in lengths.items():
-        from_pages += SEQ_META + (TAIL_BYTES if n % P else 0)
+        from_pages += SEQ_META + tail_bytes(n % P)
         for _, t0, kp, vp in s.get_pages(NS, sid):
             if t0 + P <= n:
                 from_pages += len(kp) + len(vp) + sp.TRAILER_BYTES + sp.PAGE_META_BYTES

@@ -264,3 +264,59 @@ def test_get_into_and_pages_of_a_large_range_match_the_locked_read() -> None:
     ka, va = pages.assemble(entries, 7, BIG + 20, list(range(LAYERS)))
     np.testing.assert_array_equal(ka, ko)
     np.testing.assert_array_equal(va, vo)
+
+
+# ------------------------------------------------------------------------------------------ levels and compaction
+
+
+def same_store(a: Store, b: Store, seq_ids: list[str]) -> None:
+    """``a`` and ``b`` hold the same pages, bit for bit, and account for them alike."""
+    sa, sb = a.stats(), b.stats()
+    for key in ("used_bytes", "page_bytes", "tail_bytes", "metadata_bytes", "pages_by_level", "bytes_by_level",
+                "compaction_backlog_bytes", "tokens", "reserved_bytes"):
+        assert sa[key] == sb[key], key
+    assert sa["used_bytes"] == (sa["page_bytes"] + sa["tail_bytes"] + sa["pool_bytes"] + sa["metadata_bytes"]
+                                + sa["reserved_bytes"])
+    for sid in seq_ids:
+        pa, pb = a.get_pages(NS, sid), b.get_pages(NS, sid)
+        assert [(i, t0, bytes(kp), bytes(vp)) for i, t0, kp, vp in pa] == [
+            (i, t0, bytes(kp), bytes(vp)) for i, t0, kp, vp in pb]
+
+
+@pytest.mark.parametrize("window", [0, 128])
+@pytest.mark.parametrize(("planned", "ordered"), [("q8", "q4"), ("q4", "fp16"), ("fp16", "q8")])
+def test_a_level_order_while_a_large_append_encodes_applies_to_what_its_plan_sealed(
+    held_seal: Held, window: int, planned: str, ordered: str
+) -> None:
+    """The append commits the rows its plan sealed at the plan's format (they are logged for compaction as such,
+    charged as planned), whatever level is in force when it commits: it ends as the same appends and order one
+    after the other would."""
+    first, big = kv(130, 30), kv(BIG, 31)
+    s, ref = make(window_tokens=window), make(window_tokens=window)
+    for store in (s, ref):
+        store.set_level(planned, 1)
+        store.append(NS, "seq", *first)
+    held_seal.start(lambda: s.append(NS, "seq", *big))
+    assert s.set_level(ordered, 2)  # the order lands while the append encodes without the lock
+    assert held_seal.finish() == 130 + BIG
+    ref.append(NS, "seq", *big)
+    ref.set_level(ordered, 2)
+    for store in (s, ref):
+        store.compact(1 << 40)
+    same_store(s, ref, ["seq"])
+    assert s.stats()["compaction_backlog_bytes"] == 0
+
+
+def test_compaction_while_a_large_append_encodes(held_seal: Held) -> None:
+    old, big = kv(BIG, 32), kv(BIG, 33)
+    s, ref = make(), make()
+    for store in (s, ref):
+        store.append(NS, "old", *old)
+        store.set_level("q4", 1)
+    held_seal.start(lambda: s.append(NS, "new", *big))
+    assert s.compact(1 << 40) > 0  # "old" is re-encoded while "new" encodes
+    assert held_seal.finish() == BIG
+    ref.compact(1 << 40)
+    ref.append(NS, "new", *big)
+    same_store(s, ref, ["old", "new"])
+    np.testing.assert_array_equal(s.get(NS, "new")[0], ref.get(NS, "new")[0])
