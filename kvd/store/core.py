@@ -97,6 +97,7 @@ from kvd.policy import Level
 from kvd.store import buffers
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
+from kvd.store.attend import Attending
 from kvd.store.compact import Compaction
 from kvd.store.disk import DEFAULT_WRITE_BUFFER_BYTES, DiskTier
 from kvd.store.evict import Eviction
@@ -142,7 +143,7 @@ class ReadTooLarge(Exception):
         self.nbytes = nbytes
 
 
-class Store(Compaction, Eviction, Spilling):
+class Store(Compaction, Eviction, Spilling, Attending):
     """One shard's paged, adaptively quantized KV memory. See the module docstring for the model.
 
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
