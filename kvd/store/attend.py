@@ -128,16 +128,14 @@ class Attending:
                      end: int | None = None, scale: float | None = None, positions: Any = None,
                      max_bytes: int | None = None, disk_io: bool = True) -> tuple[np.ndarray, np.ndarray, int, int]:
         """:meth:`attend`, and the range it covered: ``(out, lse, start, end)`` with ``end`` resolved."""
-        from kvd.store.core import ReadTooLarge, _fp16_bytes  # (core imports this module)
-
         store: Any = self
         with store._lock:
             seq, entry = store._lookup(namespace, seq_id)
             s, e, lay = store_seq.check_range(seq, start, end, [layer])
             q, pos = check_queries(seq.ns, queries, positions, scale, e)
-            fp16 = _fp16_bytes(seq.ns, 1, e - s)
+            fp16 = store_seq.fp16_bytes(seq.ns, 1, e - s)
             if max_bytes is not None and fp16 > max_bytes:
-                raise ReadTooLarge(fp16, max_bytes)
+                raise store_seq.ReadTooLarge(fp16, max_bytes)
             view = store._use(seq, entry, e, fp16, disk_io)
             if view is None:
                 return (*attend_view(seq, s, e, lay[0], store.page_tokens, q, pos), s, e)

@@ -105,6 +105,7 @@ from kvd.store.sequences import (
     PACK_FRAME_BYTES,
     RAW,
     Namespace,
+    ReadTooLarge,
     Seq,
     SeqId,
     int_arg,
@@ -125,22 +126,11 @@ MAX_EPOCH = 2**63 - 1
 UNLOCKED_MIN_BYTES = 1 << 20
 
 
-def _fp16_bytes(ns: Namespace, layers: int, tokens: int) -> int:
-    """The bytes of float16 keys and values of ``tokens`` tokens of ``layers`` layers of ``ns``."""
-    return 4 * layers * tokens * ns.heads * ns.head_dim
+_fp16_bytes = store_seq.fp16_bytes
 
 
 class _InFlight(Exception):
     """(Internal) an append must make room while other appends are in flight: wait for them, plan again."""
-
-
-class ReadTooLarge(Exception):
-    """A read given ``max_bytes`` would return more (float16 keys and values): nothing was read, and the read did
-    not count as a use. A server's loop reads this way, and hands a large read to its bulk lane instead."""
-
-    def __init__(self, nbytes: int, max_bytes: int) -> None:
-        super().__init__(f"the read returns {nbytes} bytes, over {max_bytes}")
-        self.nbytes = nbytes
 
 
 class Store(Compaction, Eviction, Spilling, Attending):
