@@ -97,7 +97,6 @@ def test_merge_of_any_split_equals_the_whole_range(cuts: list[int], level: str) 
     assert_close(attention.merge(parts), store.attend(NS, "s", 0, q, positions=positions))
 
 
-@pytest.mark.backend_independent  # numpy only: kvd.attention does not touch the kernels
 def test_merge_weighs_nothing_for_a_part_that_saw_no_token() -> None:
     out = np.ones((1, 2, 3), np.float32)
     masked = (np.zeros_like(out), np.full((1, 2), -np.inf, np.float32))
