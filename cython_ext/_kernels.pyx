@@ -489,6 +489,7 @@ def fp8_lut(int fmt):
 # whole pages, many per call (the store's batched paths)
 
 include "_pagecodec.pxi"
+include "_attend.pxi"
 
 
 # ---------------------------------------------------------------------------------------------------------

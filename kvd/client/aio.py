@@ -171,6 +171,13 @@ class AsyncClient(_Core):
         """See :meth:`Client.lengths`."""
         return await self._drive(self._plan_lengths(namespace, seq_ids, timeout_s))
 
+    async def attend(self, namespace: str, seq_id: p.SeqId, layer: int, queries: Any, *, start: int = 0,
+                     end: int | None = None, scale: float | None = None, positions: Any = None,
+                     timeout_s: float | None = None) -> tuple[Any, Any]:
+        """See :meth:`Client.attend`."""
+        return await self._drive(self._plan_attend(namespace, seq_id, layer, queries, start, end, scale,
+                                                   positions, timeout_s))
+
     async def explain(self, namespace: str, seq_id: p.SeqId, layer: int, token: int, *,
                       timeout_s: float | None = None) -> dict[str, Any]:
         """See :meth:`Client.explain`."""

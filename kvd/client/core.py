@@ -62,7 +62,7 @@ WRITTEN_ENTRIES = 65536
 # kvd 1.3): 64 KiB level one at a time and 10% faster 8 in flight; from 128 KiB the copy makes a lone append
 # 5-9% slower (pipelined ones still gain 6-9%), and a decode step's latency is what an engine waits on.
 PACK_BELOW_BYTES = 128 << 10
-_IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register"})
+_IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register", "attend"})
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 _MONITOR_IDS = itertools.count()
@@ -144,7 +144,7 @@ class _Conn:
     """One DEALER to one server, with the replies received for requests still waited for."""
 
     __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "positions",
-                 "packs_tensors", "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation")
+                 "packs_tensors", "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation", "attends")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
         self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
@@ -153,6 +153,7 @@ class _Conn:
         self.limits = p.DEFAULT_LIMITS
         self.packs = False  # the server takes get's packed field (protocol 1.1)
         self.lookups = False  # the server answers lengths (protocol 1.2)
+        self.attends = False  # the server answers attend (protocol 1.5)
         self.positions = False  # the server takes append's position field (protocol 1.3)
         self.packs_tensors = False  # the server takes and sends keys and values in one frame (protocol 1.4)
         self.incarnation: str | None = None  # the shard process this connection talks to (protocol 1.3)
@@ -229,6 +230,7 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
     conn.hello, conn.limits, conn.shard_id = reply, reply.limits, reply.shard_id
     conn.packs = reply.protocol_minor >= 1
     conn.lookups = reply.protocol_minor >= 2  # the lengths operation
+    conn.attends = reply.protocol_minor >= 5  # the attend operation
     conn.positions = reply.protocol_minor >= 3  # append's position
     conn.packs_tensors = reply.protocol_minor >= 4  # packed fp16 tensors (append, fp16 get reply)
     conn.incarnation = reply.incarnation  # protocol 1.3: appends on this connection name this process
@@ -249,6 +251,11 @@ def _value(req: Any, reply: Any) -> Any:
         return list(reply.lengths)
     if isinstance(reply, p.GetReply):
         return reply.keys, reply.values
+    if isinstance(reply, p.AttendReply):
+        if reply.out.shape != req.queries.shape:
+            raise ProtocolError(f"attend reply has shape {list(reply.out.shape)} for queries "
+                                f"{list(req.queries.shape)}")
+        return reply.out, reply.lse
     if isinstance(reply, p.GetPagesReply):
         return assemble(reply.entries, reply.start, reply.end, reply.layers)
     if isinstance(reply, p.DropReply):
@@ -564,6 +571,9 @@ class _Core:
                     reply = yield from self._g_roundtrip(conn, req, deadline, tmo, outcome)
                 else:
                     conn = yield from self._g_conn(self._topo.owner(namespace, seq_id), deadline)
+                    if type(req) is p.AttendRequest and not conn.attends:
+                        raise ProtocolError(f"shard {conn.shard_id!r} speaks protocol 1."
+                                            f"{conn.hello.protocol_minor if conn.hello else 0}: attend needs 1.5")
                     if type(req) is p.AppendRequest:
                         req = _on_wire(conn, req)  # the incarnation it is meant for is fixed before it is sent
                     reply = yield from self._g_roundtrip(conn, req, deadline, tmo)
@@ -702,6 +712,15 @@ class _Core:
             a = yield from self._plan_get(namespace, seq_id, start, mid, layers, fmt, timeout_s)
             b = yield from self._plan_get(namespace, seq_id, mid, stop, layers, fmt, timeout_s)
             return np.concatenate([a[0], b[0]], axis=1), np.concatenate([a[1], b[1]], axis=1)
+
+    def _plan_attend(self, namespace: str, seq_id: p.SeqId, layer: int, queries: Any, start: int,
+                     end: int | None, scale: float | None, positions: Any, timeout_s: float | None) -> Plan:
+        listed = None if positions is None else tuple(int(i) for i in np.asarray(positions).reshape(-1))
+
+        def make(rid: int) -> p.AttendRequest:
+            return p.AttendRequest(request_id=rid, namespace=namespace, seq_id=seq_id, layer=layer, queries=queries,
+                                   start=start, end=end, scale=scale, positions=listed)
+        return (yield from self._g_routed(make, namespace, seq_id, timeout_s))
 
     def _plan_lengths(self, namespace: str, seq_ids: Sequence[p.SeqId], timeout_s: float | None) -> Plan:
         """Lengths of many sequences (None: no such sequence), one ``lengths`` request per shard, all in flight

@@ -316,6 +316,19 @@ class Client(_Core):
         trip). Does not count as a use for LRU. Raises UnknownNamespace if a shard does not know the namespace."""
         return self._drive(self._plan_lengths(namespace, seq_ids, timeout_s))
 
+    def attend(self, namespace: str, seq_id: p.SeqId, layer: int, queries: Any, *, start: int = 0,
+               end: int | None = None, scale: float | None = None, positions: Any = None,
+               timeout_s: float | None = None) -> tuple[Any, Any]:
+        """Attention of ``queries`` (float16/float32 ``[T_q, H_q, D]``, ``H_q`` a multiple of the namespace's KV
+        heads) over tokens ``[start, end)`` (``end`` None: the length) of ``layer``, computed by the shard over
+        its pages as stored (protocol 1.5, docs/protocol.md §6.12): ``(out [T_q, H_q, D], lse [T_q, H_q])``
+        float32, to merge with other parts by :func:`kvd.attention.merge`. ``scale`` defaults to
+        ``1/sqrt(head_dim)``; query ``i`` sees the positions ``<= positions[i]`` (default: the last ``T_q``
+        positions of the range). At most 4096 queries. Raises what the store's ``attend`` raises, and
+        ProtocolError for a shard older than 1.5."""
+        return self._drive(self._plan_attend(namespace, seq_id, layer, queries, start, end, scale, positions,
+                                             timeout_s))
+
     def explain(self, namespace: str, seq_id: p.SeqId, layer: int, token: int, *,
                 timeout_s: float | None = None) -> dict[str, Any]:
         """Why a token is stored as it is: ``{"level", "reasons", ...}`` (Store.explain)."""

@@ -100,6 +100,7 @@ from kvd.store import buffers
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.store.append import UNLOCKED_MIN_BYTES, Appending, InFlight
+from kvd.store.attend import Attending
 from kvd.store.compact import Compaction
 from kvd.store.disk import DEFAULT_WRITE_BUFFER_BYTES, DiskTier
 from kvd.store.evict import Eviction
@@ -107,6 +108,7 @@ from kvd.store.sequences import (
     PACK_FRAME_BYTES,
     RAW,
     Namespace,
+    ReadTooLarge,
     Seq,
     SeqId,
     int_arg,
@@ -125,21 +127,10 @@ EIGHT_BIT_FORMATS = ("q8", "fp8_e4m3", "fp8_e5m2")
 MAX_EPOCH = 2**63 - 1
 
 
-def _fp16_bytes(ns: Namespace, layers: int, tokens: int) -> int:
-    """The bytes of float16 keys and values of ``tokens`` tokens of ``layers`` layers of ``ns``."""
-    return 4 * layers * tokens * ns.heads * ns.head_dim
+_fp16_bytes = store_seq.fp16_bytes
 
 
-class ReadTooLarge(Exception):
-    """A read given ``max_bytes`` would return more (float16 keys and values): nothing was read, and the read did
-    not count as a use. A server's loop reads this way, and hands a large read to its bulk lane instead."""
-
-    def __init__(self, nbytes: int, max_bytes: int) -> None:
-        super().__init__(f"the read returns {nbytes} bytes, over {max_bytes}")
-        self.nbytes = nbytes
-
-
-class Store(Appending, Compaction, Eviction, Spilling):
+class Store(Appending, Compaction, Eviction, Spilling, Attending):
     """One shard's paged, adaptively quantized KV memory. See the module docstring for the model.
 
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):

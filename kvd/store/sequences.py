@@ -262,6 +262,20 @@ class SeqView:
         return view
 
 
+def fp16_bytes(ns: Namespace, layers: int, tokens: int) -> int:
+    """The bytes of float16 keys and values of ``tokens`` tokens of ``layers`` layers of ``ns``."""
+    return 4 * layers * tokens * ns.heads * ns.head_dim
+
+
+class ReadTooLarge(Exception):
+    """A read given ``max_bytes`` would return more (float16 keys and values): nothing was read, and the read did
+    not count as a use. A server's loop reads this way, and hands a large read to its bulk lane instead."""
+
+    def __init__(self, nbytes: int, max_bytes: int) -> None:
+        super().__init__(f"the read returns {nbytes} bytes, over {max_bytes}")
+        self.nbytes = nbytes
+
+
 def check_range(seq: Seq, start: object, end: object, layers: object) -> tuple[int, int, list[int]]:
     """``(start, end, layers)`` checked against the sequence; InvalidArgument naming the bad value."""
     n = seq.length

@@ -23,6 +23,7 @@ from kvd.wire.schema import (
     DTYPES,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_INDEX,
+    MAX_QUERIES,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     Check,
@@ -30,6 +31,7 @@ from kvd.wire.schema import (
     Limits,
     PageEntry,
     SeqId,
+    as_array,
     byte_view,
     check_array,
     check_bool,
@@ -42,6 +44,8 @@ from kvd.wire.schema import (
     check_opt_info,
     check_opt_position,
     check_opt_positions,
+    check_opt_query_positions,
+    check_opt_scale,
     check_page_entry,
     check_position,
     check_request_id,
@@ -49,10 +53,12 @@ from kvd.wire.schema import (
     check_role,
     check_seq_id,
     check_seq_ids,
+    check_shape,
     check_shards,
     check_short_text,
     check_tensors,
     check_text_list,
+    frame_tensor,
     int_in,
     packed_tensors,
     pages_from_wire,
@@ -60,6 +66,8 @@ from kvd.wire.schema import (
     tensor_frame,
     tensors_from_wire,
     text_in,
+    wire_array,
+    wire_dtype_name,
 )
 
 _FieldSpec = tuple[tuple[str, Check], ...]
@@ -292,6 +300,67 @@ class LengthsRequest(_Message):
     FIELDS = (("namespace", check_namespace), ("seq_ids", check_seq_ids))
     namespace: str
     seq_ids: tuple[SeqId, ...]
+
+
+_QUERY_DTYPES = ("float16", "float32")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class AttendRequest(_Message):
+    """Store.attend (protocol 1.5): attention of ``queries`` (float16 or float32 ``[T_q, H_q, D]``, one frame)
+    over tokens ``[start, end)`` (``end`` None: to the end) of ``layer``. ``scale`` None: ``1/sqrt(D)``;
+    ``positions`` None: the last ``T_q`` positions of the range, else one causal position per query.
+    Reply: :class:`AttendReply`. The queries array is kept as given when C-contiguous little-endian."""
+
+    OP = "attend"
+    FIELDS = (
+        *_NS_SEQ,
+        ("layer", check_index),
+        ("start", check_position),
+        ("end", check_opt_position),
+        ("scale", check_opt_scale),
+        ("positions", check_opt_query_positions),
+    )
+    OPTIONAL = ("start", "end", "scale", "positions")
+    EXTRA_KEYS = ("dtype", "shape")
+    FRAMES = 1
+    namespace: str
+    seq_id: SeqId
+    layer: int
+    queries: Any
+    start: int = 0
+    end: int | None = None
+    scale: float | None = None
+    positions: tuple[int, ...] | None = None
+    dtype: str | None = None
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if not wire:
+            q = wire_array(as_array(self.queries, "queries"))
+            dtype = wire_dtype_name(q, "queries", self.dtype)
+            if dtype not in _QUERY_DTYPES:
+                raise InvalidArgument(f"queries must be float16 or float32, got {dtype}")
+            check_shape("queries shape", list(q.shape), InvalidArgument, min_dims=(1, 1, 1))
+            object.__setattr__(self, "queries", q)
+            object.__setattr__(self, "dtype", dtype)
+        t_q = self.queries.shape[0]
+        if t_q > MAX_QUERIES:
+            raise InvalidArgument(f"attend takes at most {MAX_QUERIES} queries, got {t_q}: split them")
+        if self.positions is not None and len(self.positions) != t_q:
+            raise InvalidArgument(f"positions holds {len(self.positions)} items for {t_q} queries")
+        if self.end is not None and self.end < self.start:
+            raise InvalidArgument(f"start must be <= end, got start={self.start} end={self.end}")
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        return {"dtype": self.dtype, "shape": list(self.queries.shape)}, [tensor_frame(self.queries)]
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        dtype = header.get("dtype")
+        if not isinstance(dtype, str) or dtype not in _QUERY_DTYPES:
+            raise ProtocolError(f"attend dtype must be one of {', '.join(_QUERY_DTYPES)}, got {dtype!r:.80}")
+        shape = check_shape("shape", header.get("shape"), ProtocolError, min_dims=(1, 1, 1))
+        return {"queries": frame_tensor(frames[0], "queries", dtype, shape), "dtype": dtype}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -547,6 +616,44 @@ class LengthsReply(_Message):
     lengths: tuple[int | None, ...]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class AttendReply(_Message):
+    """``attend``'s result over tokens ``[start, end)`` (``end`` resolved): ``out`` float32 ``[T_q, H_q, D]`` and
+    ``lse`` float32 ``[T_q, H_q]`` (natural log of the softmax denominator; -inf where a query saw no token), two
+    frames. Merge results with :func:`kvd.attention.merge`."""
+
+    OP = "attend"
+    FIELDS = (("start", check_position), ("end", check_position))
+    EXTRA_KEYS = ("shape",)
+    FRAMES = 2
+    start: int
+    end: int
+    out: Any
+    lse: Any
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if self.end < self.start:
+            raise InvalidArgument(f"start must be <= end, got start={self.start} end={self.end}")
+        if not wire:
+            out = wire_array(as_array(self.out, "out"))
+            lse = wire_array(as_array(self.lse, "lse"))
+            if out.dtype != "<f4" or lse.dtype != "<f4" or out.ndim != 3 or lse.shape != out.shape[:2]:
+                raise InvalidArgument(f"out must be float32 [T_q, H_q, D] and lse float32 [T_q, H_q], got "
+                                      f"{out.dtype} {list(out.shape)} and {lse.dtype} {list(lse.shape)}")
+            check_shape("out shape", list(out.shape), InvalidArgument, min_dims=(1, 1, 1))
+            object.__setattr__(self, "out", out)
+            object.__setattr__(self, "lse", lse)
+
+    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
+        return {"shape": list(self.out.shape)}, [tensor_frame(self.out), tensor_frame(self.lse)]
+
+    @classmethod
+    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
+        shape = check_shape("shape", header.get("shape"), ProtocolError, min_dims=(1, 1, 1))
+        return {"out": frame_tensor(frames[0], "out", "float32", shape),
+                "lse": frame_tensor(frames[1], "lse", "float32", shape[:2])}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatsReply(_Message):
     """Store.stats() plus server counters; numpy scalars are turned into Python numbers."""
@@ -615,6 +722,7 @@ Request = (
     | DropRequest
     | LengthRequest
     | LengthsRequest
+    | AttendRequest
     | StatsRequest
     | ExplainRequest
     | TopologyRequest
@@ -629,6 +737,7 @@ Reply = (
     | DropReply
     | LengthReply
     | LengthsReply
+    | AttendReply
     | StatsReply
     | ExplainReply
     | TopologyReply
@@ -645,6 +754,7 @@ REQUESTS: dict[str, type[_Message]] = {
         DropRequest,
         LengthRequest,
         LengthsRequest,
+        AttendRequest,
         StatsRequest,
         ExplainRequest,
         TopologyRequest,
@@ -660,6 +770,7 @@ _REPLIES: dict[str, type[_Message]] = {
         DropReply,
         LengthReply,
         LengthsReply,
+        AttendReply,
         StatsReply,
         ExplainReply,
         TopologyReply,

@@ -28,11 +28,12 @@ except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype("<u2")
 
 PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
-PROTOCOL_MINOR = 4  # additions a client can discover through hello; never changes the meaning of old fields
+PROTOCOL_MINOR = 5  # additions a client can discover through hello; never changes the meaning of old fields
 # 1.1: get's ``packed`` field (pages in few frames, docs/protocol.md §6.5)
 # 1.2: the ``lengths`` operation (many sequences' lengths in one request, docs/protocol.md §6.11)
 # 1.3: append's ``position``, hello's and append's ``incarnation``, error WrongShard (docs/protocol.md §3)
 # 1.4: ``packed`` fp16 tensors: keys and values in one frame, in an append and an fp16 get reply (§6.4, §6.5)
+# 1.5: the ``attend`` operation (attention computed by the shard over its pages, docs/protocol.md §6.12)
 MAX_LOOKUP = 4096  # seq_ids in one ``lengths`` request
 
 _KIB = 1024
@@ -207,6 +208,34 @@ def check_opt_positions(name: str, value: Any, exc: type[KvdError]) -> tuple[int
     if len(items) > MAX_LOOKUP:
         raise exc(f"{name} must hold at most {MAX_LOOKUP} items, got {len(items)}")
     return tuple(None if v is None else check_position(f"{name}[{i}]", v, exc) for i, v in enumerate(items))
+
+
+MAX_QUERIES = 4096  # queries (T_q) in one ``attend``: their positions travel in the header, one array
+
+
+def check_opt_scale(name: str, value: Any, exc: type[KvdError]) -> float | None:
+    """An ``attend`` scale: nil, or a finite number > 0 (an int is taken as a float)."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise exc(f"{name} must be a number or nil, got {show(value)}")
+    out = float(value)
+    if not math.isfinite(out) or out <= 0:
+        raise InvalidArgument(f"{name} must be a finite number > 0, got {value!r}")
+    return out
+
+
+def check_opt_query_positions(name: str, value: Any, exc: type[KvdError]) -> tuple[int, ...] | None:
+    """An ``attend``'s causal positions: nil, or 1 to MAX_QUERIES positions."""
+    if value is None:
+        return None
+    items = check_array(name, value, exc)
+    if not 1 <= len(items) <= MAX_QUERIES:
+        raise exc(f"{name} must hold 1 to {MAX_QUERIES} positions, got {len(items)}")
+    for v in items:  # the common case, plain ints in range, without a call per item
+        if type(v) is not int or not 0 <= v <= MAX_POSITION:
+            return tuple(check_position(f"{name}[{i}]", v, exc) for i, v in enumerate(items))
+    return tuple(items)
 
 
 def check_text_list(name: str, value: Any, exc: type[KvdError]) -> tuple[str, ...]:

@@ -183,6 +183,14 @@ def examples() -> dict[str, Any]:
         "get_request_fp16_packed": p.GetRequest(request_id=23, namespace="smollm2", seq_id="req-42", packed=True),
         "get_reply_fp16_packed": p.GetReply(request_id=23, start=0, end=3, layers=(0, 1), keys=k16, values=v16,
                                             packed=np.concatenate([k16, v16]).tobytes()),
+        # protocol 1.5: attention computed by the shard, its output and log-sum-exp
+        "attend_request": p.AttendRequest(request_id=24, namespace="smollm2", seq_id="req-42", layer=1,
+                                          queries=tensor((1, 2, 4), "float16"), start=0, end=3, scale=0.5,
+                                          positions=(2,)),
+        "attend_request_default": p.AttendRequest(request_id=25, namespace="smollm2", seq_id=17, layer=0,
+                                                  queries=tensor((2, 1, 4), "float32")),
+        "attend_reply": p.AttendReply(request_id=24, start=0, end=3, out=tensor((1, 2, 4), "float32"),
+                                      lse=np.array([[1.5, -np.inf]], np.float32)),
     }
 
 

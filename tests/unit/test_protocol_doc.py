@@ -42,6 +42,8 @@ def requests() -> list[p.Request]:
         # protocol 1.3: a block stored at its prompt position, on the shard incarnation it was first written to
         p.AppendRequest(request_id=13, namespace=NS, seq_id="block-1", keys=KEYS, values=KEYS, offset=0,
                         position=128, incarnation="7f3a9c2e"),
+        # protocol 1.5: attention over tokens [0, 1) of layer 1 for one query of one head
+        p.AttendRequest(request_id=14, namespace=NS, seq_id=SEQ, layer=1, queries=KEYS[0, :, :, :], end=1),
     ]
 
 

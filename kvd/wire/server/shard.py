@@ -114,7 +114,7 @@ class ShardServer(RouterServer):
             p.RegisterRequest: self._on_register, p.AppendRequest: self._on_append, p.GetRequest: self._on_get,
             p.DropRequest: self._on_drop, p.LengthRequest: self._on_length,
             p.LengthsRequest: self._on_lengths, p.StatsRequest: self._on_stats,
-            p.ExplainRequest: self._on_explain}
+            p.ExplainRequest: self._on_explain, p.AttendRequest: self._on_attend}
 
     @property
     def shard_id(self) -> str:
@@ -303,6 +303,18 @@ class ShardServer(RouterServer):
         layers = req.layers if req.layers is not None else tuple(dict.fromkeys(e[0] for e in entries))
         return p.GetPagesReply.trusted(request_id=req.request_id, start=req.start, end=int(end), layers=layers,
                                        entries=tuple(entries), packed=tuple(frames) if req.packed else None)
+
+    def _on_attend(self, req: p.AttendRequest) -> p.AttendReply:
+        if self._routing is not None:
+            self._check_owner(req.namespace, req.seq_id)
+        loop = self._loop_only()  # as a get: a large range, or a spilled sequence's file, on the bulk lane
+        try:
+            out, lse, start, end = self._store.attend_range(
+                req.namespace, req.seq_id, req.layer, req.queries, start=req.start, end=req.end, scale=req.scale,
+                positions=req.positions, max_bytes=BULK_MIN_BYTES - 1 if loop else None, disk_io=not loop)
+        except (ReadTooLarge, OnDisk):
+            raise ToBulkLane from None
+        return p.AttendReply.trusted(request_id=req.request_id, start=start, end=end, out=out, lse=lse)
 
     def _on_drop(self, req: p.DropRequest) -> p.DropReply:
         if self._routing is not None:
