@@ -22,7 +22,9 @@ import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-compile_args = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-Wall", "-Wno-unused-function"]
+# -g0: no debug information (Python's own CFLAGS ask for -g): it was a third of the compile time (16.6 s against
+# 11.7 s for kvd/store/core.c) and changes nothing that runs.
+compile_args = ["-O3", "-g0", "-ffp-contract=off", "-fno-fast-math", "-std=c11", "-Wall", "-Wno-unused-function"]
 if sys.platform == "win32":  # pragma: no cover - not a supported server platform, kept buildable
     compile_args = ["/O2", "/fp:precise"]
 
@@ -48,7 +50,8 @@ modules = []
 if not native["pure_requested"](os.environ):
     modules = cythonize(
         [
-            Extension(f"kvd.{name}", [str(native["source_file"](Path("kvd"), name))], extra_compile_args=["-O2"])
+            Extension(f"kvd.{name}", [str(native["source_file"](Path("kvd"), name))],
+                      extra_compile_args=["-O2", "-g0"])
             for name in native["COMPILED"]
         ],
         # Python semantics exactly: annotations stay annotations, functions stay introspectable

@@ -1,8 +1,9 @@
 """Options of the whole suite, used by bin/test.
 
 ``--only-backend-dependent`` (bin/test's second pass, ``KVD_KERNELS=reference KVD_PURE_PYTHON=1``): runs only the
-tests whose outcome can depend on the kernel backend or on the compiled modules, i.e. every test but those marked
-``backend_independent``. The marker is the exception a module opts into, with the reason in its docstring or
+tests whose code under test is the kernels or the compiled modules, i.e. every test but those marked
+``backend_independent`` (the settings, the policy, the command line, and the control plane under Ray, whose shards'
+data path the unmarked tests cover). The marker is the exception a module opts into, with the reason in its docstring or
 next to the mark: a new kernel, codec, store or wire test runs on both engines without anyone remembering to.
 
 ``--require-engines`` (bin/test's engine stage under CI): a test of tests/engines that skips (an engine or the
@@ -30,8 +31,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "backend_independent: the outcome cannot depend on the kernel backend or on compiled vs source modules "
-        "(say why); bin/test's second pass (--only-backend-dependent) leaves it out",
+        "backend_independent: the code under test is neither the kernels nor a compiled module, so the outcome "
+        "cannot depend on them (say why); bin/test's second pass (--only-backend-dependent) leaves it out",
     )
 
 

@@ -16,8 +16,8 @@ errors: :class:`~kvd.errors.ConfigError` naming the key and listing the valid on
 that belong to other parts of kvd are left alone here (:data:`FOREIGN_ENV`): ``KVD_KERNELS`` (kernel backend,
 read by kvd.kernels), ``KVD_PURE_PYTHON`` (run the data path from source, kvd._native), ``KVD_MODEL_CACHE``
 (kvd.integrations' model folder), ``KVD_SAMPLE`` (path of the real-KV sample used by tests and benches) and
-those of the scripts in bin/: ``KVD_PYTHON``, ``KVD_REINSTALL``, ``KVD_TEST_DRY_INSTALL``, ``KVD_ENGINES``,
-``KVD_ENGINES_VENV``. ``KVD_CONFIG`` names the TOML file when no path is given explicitly.
+those of the scripts in bin/: ``KVD_PYTHON``, ``KVD_REINSTALL``, ``KVD_TEST_DRY_INSTALL``, ``KVD_TEST_WORKERS``,
+``KVD_ENGINES``, ``KVD_ENGINES_VENV``. ``KVD_CONFIG`` names the TOML file when no path is given explicitly.
 
 This module is the only place in kvd that reads configuration from the environment or from files; it also
 keeps the small run notes `kvd up` leaves for `kvd status` and `kvd down` (:func:`write_run_file`). The value
@@ -89,7 +89,7 @@ CONFIG_ENV = "KVD_CONFIG"
 # started with one of them set, e.g. KVD_PURE_PYTHON=1 or inside `KVD_ENGINES=0 bin/test`, must still run).
 FOREIGN_ENV = frozenset({
     "KVD_KERNELS", "KVD_PURE_PYTHON", "KVD_MODEL_CACHE", "KVD_SAMPLE", CONFIG_ENV,
-    "KVD_PYTHON", "KVD_REINSTALL", "KVD_TEST_DRY_INSTALL", "KVD_ENGINES", "KVD_ENGINES_VENV",
+    "KVD_PYTHON", "KVD_REINSTALL", "KVD_TEST_DRY_INSTALL", "KVD_TEST_WORKERS", "KVD_ENGINES", "KVD_ENGINES_VENV",
 })
 
 # Default total memory of `kvd up`: a quarter of this machine's memory, capped, so a laptop keeps room for the

@@ -28,7 +28,9 @@ from kvd.wire.protocol import owner
 
 from tcp_buffers import tcp_buffers  # isort: skip  (tests/integration/tcp_buffers.py)
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray")]
+# The control plane under Ray is what runs here (tests/unit/test_suite_marks.py, DRIVERS_ONLY): the second pass
+# leaves it out.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray"), pytest.mark.backend_independent]
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 64, 16
 NS = "model"

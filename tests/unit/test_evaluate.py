@@ -8,7 +8,6 @@ import pytest
 
 from kvd.evaluate import attention, eps_o
 
-pytestmark = pytest.mark.backend_independent  # numpy only: no kernel, no compiled module
 
 
 def by_definition(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_queries: int) -> np.ndarray:

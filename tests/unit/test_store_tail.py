@@ -39,12 +39,14 @@ def parts(st: dict) -> int:
     return st["page_bytes"] + st["tail_bytes"] + st["pool_bytes"] + st["metadata_bytes"] + st["reserved_bytes"]
 
 
-def test_the_step_schedule_holds_the_fill_wastes_under_half_and_ends_at_a_page() -> None:
+def test_the_step_schedule_holds_the_fill_wastes_under_three_quarters_and_ends_at_a_page() -> None:
     for p in (1, 16, 48, 64, 100):
         caps = [tail_tokens(f, p) for f in range(1, p + 1)]
         assert caps == sorted(caps) and caps[-1] == p
+        steps = sorted(set(caps))
+        assert all(b == 4 * a or b == p for a, b in zip(steps, steps[1:]))  # few steps: each one is a copy
         for f, cap in enumerate(caps, 1):
-            assert f <= cap <= p and (cap < 2 * f or cap == 1)
+            assert f <= cap <= p and (cap < 4 * f or cap == 1)
 
 
 def test_16_tokens_of_the_readme_layout_take_2_mib_not_a_page() -> None:
@@ -106,14 +108,14 @@ def test_growing_across_steps_then_sealing_is_bit_exact_against_one_append(level
 
 def test_a_growth_that_does_not_fit_is_refused_and_changes_nothing() -> None:
     s = store(eviction="none", max_level="fp16")
-    s.append(NS, "a", *kv(2, 3))  # a tail of 2 tokens
-    cap = s.stats()["used_bytes"] + TOKEN_BYTES  # room for one token more, not for a tail of 4
+    s.append(NS, "a", *kv(2, 3))  # 2 tokens in a tail of 4
+    cap = s.stats()["used_bytes"] + TOKEN_BYTES  # room for one token more, not for a tail of 16
     s2 = store(cap, eviction="none", max_level="fp16")
-    k, v = kv(3, 3)
+    k, v = kv(5, 3)
     s2.append(NS, "a", k[:, :2], v[:, :2])
     before = s2.stats()
     with pytest.raises(OutOfMemory, match="nothing was written"):
-        s2.append(NS, "a", k[:, 2:], v[:, 2:])
+        s2.append(NS, "a", k[:, 2:], v[:, 2:])  # 5 tokens: the tail must grow to 16
     after = s2.stats()
     for key in ("used_bytes", "tokens", "tail_bytes", "pool_bytes"):
         assert after[key] == before[key], key
@@ -123,15 +125,15 @@ def test_a_growth_that_does_not_fit_is_refused_and_changes_nothing() -> None:
 def test_a_growth_that_does_not_fit_evicts_the_least_recently_used() -> None:
     probe = store()
     probe.append(NS, "a", *kv(2, 4))
-    probe.append(NS, "b", *kv(2, 5))
-    # the growth's peak (a tail of 4 tokens beside the old one of 2) fits only once "b" is gone
-    s = store(probe.stats()["used_bytes"] + tail_charge(4) - 1, eviction="lru", max_level="fp16")
-    ka, va = kv(3, 4)
+    probe.append(NS, "b", *kv(10, 5))
+    # the growth's peak (a tail of 16 tokens beside the old one of 4) fits only once "b" is gone
+    s = store(probe.stats()["used_bytes"] + tail_charge(16) - 1, eviction="lru", max_level="fp16")
+    ka, va = kv(5, 4)
     s.append(NS, "a", ka[:, :2], va[:, :2])
-    s.append(NS, "b", *kv(2, 5))
-    assert s.append(NS, "a", ka[:, 2:], va[:, 2:]) == 3  # its tail grows to 4 tokens: "b" makes way
+    s.append(NS, "b", *kv(10, 5))
+    assert s.append(NS, "a", ka[:, 2:], va[:, 2:]) == 5  # its tail grows to 16 tokens: "b" makes way
     st = s.stats()
-    assert st["evictions"] == 1 and s.lengths(NS, ["a", "b"]) == [3, None]
+    assert st["evictions"] == 1 and s.lengths(NS, ["a", "b"]) == [5, None]
     assert st["used_bytes"] == parts(st) <= st["capacity_bytes"]
     np.testing.assert_array_equal(s.get(NS, "a")[1], va)
 

@@ -27,13 +27,20 @@ BACKEND_MODULES = (
     "kvd.evaluate", "kvd.integrations", *(f"kvd.{name}" for name in _native.COMPILED),
 )
 
-# Marked modules that import the data path only to drive, or stand in for, a kvd whose processes (the code under
-# test) run without the second pass's KVD_PURE_PYTHON (test_cli.ENV drops it): the reason for each.
+# Marked modules that import the data path only to drive, or stand in for, a kvd whose code under test is not the
+# data path: processes run without the second pass's KVD_PURE_PYTHON (test_cli.ENV drops it), or the control
+# plane under Ray: the reason for each.
 DRIVERS_ONLY = {
     "test_cli_ping.py": "a TopologyServer for the `kvd ping` subprocess to find",
     "test_two_nodes.py": "a client round trip through the kvd that `kvd up` started on two Ray nodes",
     "test_disk_tier.py": "client round trips through the kvd that `kvd up --disk` started, its shard killed and "
                          "the kvd restarted (the disk tier's own code runs in both passes: test_store_disk.py)",
+    # Ray actors under test: the coordinator, membership, deployment and restarts (kvd.cluster, never compiled).
+    # Their shards run the compiled data path, which the second pass covers where it is the code under test
+    # (tests/unit, test_wire*.py, test_shard_lifecycle.py, test_pressure.py); here it only carries the traffic.
+    "test_cluster.py": "clients and raw shard requests driving a Ray deployment: spread, levels, kills",
+    "test_lifecycle.py": "clients driving a Ray deployment through shard and coordinator restarts",
+    "test_priority.py": "a Ray deployment whose actors' thread priorities are read from /proc",
 }
 
 
