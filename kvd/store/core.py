@@ -7,7 +7,7 @@ list of sealed pages of ``page_tokens`` (P) tokens plus at most one *hot tail*. 
 tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P, (r+1)*P)`` of every layer.
 
 * **Hot tail.** One float16 array ``[2, L, C, H, D]`` (keys, values) per sequence, allocated lazily when a token
-  lands in a partial page and written in place. Its capacity C is what it holds rounded up to a power of two, at
+  lands in a partial page and written in place. Its capacity C is what it holds rounded up to a power of four, at
   most P (:func:`~kvd.store.sequences.tail_tokens`): a tail that must hold more grows to the next step (a new
   array, the tokens it held copied over), an append that seals the row seals it from a whole page (the tail grown
   to P first if it is smaller), and the tokens left after a seal go to a tail of their own size; a sequence whose
