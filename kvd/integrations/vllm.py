@@ -207,11 +207,13 @@ class KvdConnector(KVConnectorBase_V1):
         st.local = num_computed_tokens
         n_prompt = len(request.prompt_token_ids or ())
         usable = st.keys[: max(0, (n_prompt - 1) // self._bs)]  # the engine must compute >= 1 prompt token
+        # Blocks vLLM has itself (its own prefix cache, block-aligned) need no kvd copy: ask from the first
+        # block it lacks. Those local blocks were saved when this engine computed them, so they count as stored
+        # (not saved again, which kvd would refuse as a Conflict after the copy out of the engine and the send).
+        first = num_computed_tokens // self._bs
+        st.stored = max(st.stored, min(first, len(usable)))
         if len(usable) * self._bs <= num_computed_tokens:
             return 0, False
-        # Blocks vLLM has itself (its own prefix cache, block-aligned) need no kvd copy: ask from the first
-        # block it lacks. Those local blocks were saved when this engine computed them, so they count as stored.
-        first = num_computed_tokens // self._bs
         self.counters["lookups"] += 1
         try:
             found = self._link.call(lambda c: prefix.stored_prefix(

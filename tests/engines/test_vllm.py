@@ -153,12 +153,18 @@ def test_with_vllms_own_prefix_cache_on_kvd_supplies_what_it_lacks(first: dict[s
     try:
         a = eng.generate(PROMPT)[0]  # vLLM's cache is empty: the blocks come from kvd
         b = eng.generate(OTHER)[0]  # the shared blocks are now in vLLM's own cache
+        c = eng.generate(PROMPT)[0]  # all of it in vLLM's own cache
+        assert eng.ask({"flush": 30})["flushed"]
         counters = eng.ask({"counters": 1})
     finally:
         eng.close()
     assert a["cached"] == first["hit"]["cached"] and a["token_ids"] == first["miss"]["token_ids"]
     assert b["cached"] == first["other"]["cached"] and b["token_ids"] == first["other"]["token_ids"]
+    assert c["token_ids"] == first["miss"]["token_ids"]
     assert counters["loaded_blocks"] == a["cached"] // BLOCK  # only the first request needed kvd
+    # Blocks the engine had (from kvd or from its own cache) are not sent to kvd again: the first engine stored
+    # PROMPT's and OTHER's shared blocks, so only OTHER's own full blocks (if any) were new.
+    assert counters["save_existing_blocks"] == 0, counters
 
 
 @pytest.mark.parametrize("options", [{"dtype": "bfloat16"}, {"extra": {"kvd_model_id": "another-model"}}],
