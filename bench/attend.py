@@ -179,7 +179,8 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of sections to skip: correctness,scan,shard")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    print(f"# bench/attend.py on {platform.machine()} {platform.processor() or ''}, python {platform.python_version()}")
+    print(f"# bench/attend.py on {platform.machine()} {platform.processor() or ''}, "
+          f"python {platform.python_version()}")
     if "correctness" not in skip:
         correctness()
     if "scan" not in skip:

@@ -3,8 +3,9 @@
 ``--only-backend-dependent`` (bin/test's second pass, ``KVD_KERNELS=reference KVD_PURE_PYTHON=1``): runs only the
 tests whose code under test is the kernels or the compiled modules, i.e. every test but those marked
 ``backend_independent`` (the settings, the policy, the command line, and the control plane under Ray, whose shards'
-data path the unmarked tests cover). The marker is the exception a module opts into, with the reason in its docstring or
-next to the mark: a new kernel, codec, store or wire test runs on both engines without anyone remembering to.
+data path the unmarked tests cover). The marker is the exception a module opts into, with the reason in its
+docstring or next to the mark: a new kernel, codec, store or wire test runs on both engines without anyone
+remembering to.
 
 ``--require-engines`` (bin/test's engine stage under CI): a test of tests/engines that skips (an engine or the
 model missing: a broken .venv-engines) fails instead, so the run cannot pass without them.

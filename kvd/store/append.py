@@ -96,7 +96,8 @@ class AppendPlan:
         self.fmt = fmt
         self.recode = fmt != RAW and bool(ns.quant_layers)  # leaving the window means re-encoding at the level
         self.exit_flags = sp.FLAG_WINDOW | store._ahead_flag()
-        self.row_plans = [store._row_plan(ns, r, self.out_rows, self.sink_rows) for r in range(self.row, self.new_rows)]
+        self.row_plans = [store._row_plan(ns, r, self.out_rows, self.sink_rows)
+                          for r in range(self.row, self.new_rows)]
         # Protected rows never get compaction; rows sealed at q4 (the top rung) never need it. Decided here, at the
         # format the rows are sealed at, not at the commit (the level may change in between).
         self.logged = [r for r in range(self.window_done, self.out_rows)
@@ -152,8 +153,8 @@ class Appending:
 
     def _append(self, ns: Namespace, key: tuple[str, SeqId], seq: Seq | None, k16: np.ndarray, v16: np.ndarray,
                 position: int) -> Seq:
-        """(Under the lock) append ``k16`` / ``v16`` ``[L, T, H, D]`` (checked, T > 0) to ``seq`` (None: create it).
-        Raises InFlight when it must make room while other appends are in flight (nothing was touched)."""
+        """(Under the lock) append ``k16`` / ``v16`` ``[L, T, H, D]`` (checked, T > 0) to ``seq`` (None: create
+        it). Raises InFlight when it must make room while other appends are in flight (nothing was touched)."""
         if seq is not None and self._append_in_tail(seq, k16, v16):
             return seq
         plan = AppendPlan(self, ns, key, seq, k16.shape[1], position)
@@ -162,8 +163,8 @@ class Appending:
         return self._commit(plan, built, k16, v16)
 
     def _append_in_tail(self, seq: Seq, k16: np.ndarray, v16: np.ndarray) -> bool:
-        """The decode step's case: the tokens fit in the hot tail as it is, so nothing is sealed, allocated or leaves
-        the window; what the four steps do then, without their planning. False (nothing done) otherwise."""
+        """The decode step's case: the tokens fit in the hot tail as it is, so nothing is sealed, allocated or
+        leaves the window; what the four steps do then, without their planning. False (nothing done) otherwise."""
         tail, p, n = seq.tail, self.page_tokens, seq.length
         end = n + k16.shape[1]
         f, f2 = n % p, end % p
@@ -313,7 +314,7 @@ class Appending:
     def _commit_tail(self, plan: AppendPlan, built: Built, seq: Seq, k16: np.ndarray, v16: np.ndarray) -> None:
         """The sequence's tail after the append: the old one, a grown one, a new one or none (AppendPlan)."""
         led, old, page, f2 = self._ledger, plan.tail, built.page, plan.new_fill
-        if plan.reuse_tail and plan.seal_tail:  # the row was sealed from `page`: the tokens left take its first rows
+        if plan.reuse_tail and plan.seal_tail:  # sealed from `page`: the tokens left take its first rows
             assert page is not None
             np.copyto(page[0, :, :f2], k16[:, plan.tokens - f2 :])
             np.copyto(page[1, :, :f2], v16[:, plan.tokens - f2 :])

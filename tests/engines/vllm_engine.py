@@ -30,10 +30,10 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # scheduler and worker in the eng
        "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 # What an engine's start imports, by its entry points (import only: nothing here starts a thread or touches torch's
 # thread pools, so forking after it is safe).
-PRELOAD = ["torch", "vllm", "vllm.config", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
-           "vllm.v1.engine.core_client", "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker",
-           "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.model_loader", "vllm.model_executor.models.llama",
-           "vllm.distributed.kv_transfer", "kvd.integrations.vllm"]
+PRELOAD = ["torch", "vllm", "vllm.config", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine",
+           "vllm.v1.engine.core", "vllm.v1.engine.core_client", "vllm.v1.executor.uniproc_executor",
+           "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.model_loader",
+           "vllm.model_executor.models.llama", "vllm.distributed.kv_transfer", "kvd.integrations.vllm"]
 
 _context: Any = None
 

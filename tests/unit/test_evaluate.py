@@ -38,5 +38,6 @@ def test_eps_o_is_zero_for_the_same_kv_and_grows_with_the_damage() -> None:
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((64, 4, 16)).astype(np.float16) for _ in range(3))
     assert eps_o(q, k, v, k, v) == 0.0
-    small, large = (eps_o(q, k, v, k, (v + s * rng.standard_normal(v.shape)).astype(np.float16)) for s in (0.01, 0.1))
+    noisy = [(v + s * rng.standard_normal(v.shape)).astype(np.float16) for s in (0.01, 0.1)]
+    small, large = (eps_o(q, k, v, k, v_hat) for v_hat in noisy)
     assert 0 < small < large
