@@ -107,8 +107,6 @@ class KvdCache(DynamicCache):
         self.stored_tokens = 0  # ... and its tokens, positions 0 .. stored_tokens - 1 (not held here)
         self._saved: dict[str, int] = {}  # seq_id -> tokens of this cache already in it
 
-    # ------------------------------------------------------------------------------------------ local <-> kvd
-
     # -------------------------------------------------------------------------------- the stored tokens' length
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
