@@ -444,7 +444,8 @@ def decode(args: argparse.Namespace) -> None:
 
     folder = build_model_folder(args.cache)
     local = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    remote = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTENTION).eval()
+    remote = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                  attn_implementation=ATTENTION).eval()
     tok = AutoTokenizer.from_pretrained(folder)
     ids = [t for text in texts().values() for t in tok(text).input_ids]
     if len(ids) < args.context + 1:
@@ -459,7 +460,8 @@ def decode(args: argparse.Namespace) -> None:
             model.generate(ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]), max_new_tokens=4,
                            do_sample=False, pad_token_id=model.config.eos_token_id or 0)
     print(f"context {args.context} tokens, {args.gen} generated, torch threads {torch.get_num_threads()}")
-    print("| level | way | load s | decode tok/s | end-to-end tok/s | wire bytes / generated token | same tokens |")
+    print("| level | way | load s | decode tok/s | end-to-end tok/s | wire bytes / generated token "
+          "| same tokens as load |")
     print("|---|---|---|---|---|---|---|")
     for level in args.levels.split(","):
         server = Server(level)
@@ -482,8 +484,8 @@ def decode(args: argparse.Namespace) -> None:
                 after = kv.shard_stats()[0]
                 wire = sum(after[k] - before[k] for k in ("server_bytes_in", "server_bytes_out"))
                 outs[way] = out[0, ids.shape[1]:].tolist()
-                same = "" if way == "load" else ("yes" if outs[way] == outs["load"] else
-                                                 f"first {next(i for i, (a, b) in enumerate(zip(outs['load'], outs[way])) if a != b)}")
+                differ = [i for i, (a, b) in enumerate(zip(outs["load"], outs[way], strict=True)) if a != b]
+                same = "" if way == "load" else f"from token {differ[0]} on" if differ else "yes"
                 print(f"| {level} | {way} | {t1 - t0:.2f} | {args.gen / (t2 - t1):.1f} | "
                       f"{args.gen / (t2 - t0):.1f} | {wire / args.gen:,.0f} | {same} |", flush=True)
                 del cache

@@ -122,8 +122,8 @@ class KvdCache(DynamicCache):
         if self.stored_tokens:
             impl = getattr(self.config, "_attn_implementation", None)
             if impl != ATTENTION:
-                raise InvalidArgument(f"this cache attends over {self.stored_tokens} tokens in kvd: load the model "
-                                      f"with attn_implementation={ATTENTION!r} (it has {impl!r})")
+                raise InvalidArgument(f"this cache attends over {self.stored_tokens} tokens in kvd: load the "
+                                      f"model with attn_implementation={ATTENTION!r} (it has {impl!r})")
             _last_update.cache, _last_update.layer, _last_update.keys = self, layer_idx, keys
         return keys, values
 

@@ -43,7 +43,8 @@ def model(model_folder: Path) -> tuple[Any, Any]:
 @pytest.fixture(scope="module")
 def kvd_model(model_folder: Path) -> Any:
     """The same model with kvd's attention function (attends over a cache's stored tokens in kvd)."""
-    return AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32, attn_implementation=ATTENTION).eval()
+    return AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32,
+                                                attn_implementation=ATTENTION).eval()
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +206,7 @@ def test_attending_in_kvd_generates_what_dynamic_cache_does(model: tuple[Any, An
     follow = torch.cat([part, ids_of(tok, " Answer in one sentence, then name a boat.")], -1)
     want = greedy(m, follow, DynamicCache(config=m.config), 20)
 
-    assert torch.equal(greedy(kvd_model, ids, DynamicCache(config=m.config), 12), part)  # no stored part: local only
+    assert torch.equal(greedy(kvd_model, ids, DynamicCache(config=m.config), 12), part)  # nothing stored: local
     cache = KvdCache.resume(client, kvd_model.config, "conversation-attend", attend=True)
     assert cache.stored_tokens == stored and cache.loaded_tokens == 0
     assert cache.get_seq_length() == stored and cache.layers[0].keys is None  # nothing of it held here
