@@ -3,6 +3,7 @@ per precision level. SmolLM2-135M-Instruct, fp32, CPU; run in the engine venv (b
 
     .venv-engines/bin/python bench/engines.py ttft     [--tokens 1906] [--rounds 5] [--levels fp16,q8,q4]
     .venv-engines/bin/python bench/engines.py quality  [--prefix 1024] [--cont 256] [--gen 128]
+    .venv-engines/bin/python bench/engines.py decode   [--context 8128] [--gen 64] [--levels fp16,q4]
 
 ttft: one vLLM engine in this process (vLLM's own prefix cache off) with KvdConnector, a kvd shard server in a
 child process whose level is switched between phases. "recompute": prompts whose first block is new each round
@@ -29,6 +30,14 @@ KvdCache; the next ``--cont`` tokens are then scored with it (teacher forcing). 
 to fp16 (what kvd's fp16 level stores). Reported: KL(reference || level) of the next-token distributions
 (mean over positions and texts), perplexity of the continuation, top-1 agreement, and in free generation the
 number of the ``--gen`` greedy tokens produced before the first one that differs from the reference.
+
+decode: a ``--context``-token context (real texts) prefilled once and stored in kvd at a level as one sequence,
+then a greedy decode of ``--gen`` tokens over it through transformers, two ways: "load" (``KvdCache.resume``: the
+whole context comes over the wire into the local cache, then the model decodes locally) and "attend"
+(``KvdCache.resume(attend=True)`` with ``attn_implementation="kvd"``: the context stays in kvd and every layer
+of every step sends its queries there). Reported: the load time, decode tokens/s, end-to-end tokens/s (load
+included), bytes on the wire per generated token (the shard's bytes in + out over the whole run, divided by
+``--gen``), and whether the two produced the same tokens.
 """
 
 from __future__ import annotations
@@ -425,6 +434,64 @@ def quality(args: argparse.Namespace) -> None:
               f"{statistics.mean(agree):>12.4f} {statistics.mean(gens):>7.1f}/{args.gen}")
 
 
+def decode(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    from kvd.client import Client
+    from kvd.integrations.model import build_model_folder
+    from kvd.integrations.transformers import ATTENTION, KvdCache
+
+    folder = build_model_folder(args.cache)
+    local = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    remote = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                  attn_implementation=ATTENTION).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = [t for text in texts().values() for t in tok(text).input_ids]
+    if len(ids) < args.context + 1:
+        raise SystemExit(f"the texts hold {len(ids)} tokens, fewer than --context {args.context} + 1")
+    ids = torch.tensor([ids[: args.context + 1]])
+    prefill = DynamicCache(config=local.config)
+    with torch.no_grad():
+        for s in range(0, args.context, 1024):
+            local(ids[:, s: min(s + 1024, args.context)], past_key_values=prefill, use_cache=True)
+    with torch.no_grad():  # warm both models up (first-call costs) on a short prompt
+        for model in (local, remote):
+            model.generate(ids[:, :16], attention_mask=torch.ones_like(ids[:, :16]), max_new_tokens=4,
+                           do_sample=False, pad_token_id=model.config.eos_token_id or 0)
+    print(f"context {args.context} tokens, {args.gen} generated, torch threads {torch.get_num_threads()}")
+    print("| level | way | load s | decode tok/s | end-to-end tok/s | wire bytes / generated token "
+          "| same tokens as load |")
+    print("|---|---|---|---|---|---|---|")
+    for level in args.levels.split(","):
+        server = Server(level)
+        with Client(server.endpoint, timeout_s=300) as kv:
+            saver = KvdCache(kv, local.config)
+            for i, layer in enumerate(prefill.layers):
+                saver.update(layer.keys, layer.values, i)
+            saver.save("context")
+            outs = {}
+            for way, model, attend in (("load", local, False), ("attend", remote, True)):
+                before = kv.shard_stats()[0]
+                t0 = time.perf_counter()
+                cache = KvdCache.resume(kv, model.config, "context", attend=attend)
+                t1 = time.perf_counter()
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                         max_new_tokens=args.gen, min_new_tokens=args.gen, do_sample=False,
+                                         pad_token_id=model.config.eos_token_id or 0)
+                t2 = time.perf_counter()
+                after = kv.shard_stats()[0]
+                wire = sum(after[k] - before[k] for k in ("server_bytes_in", "server_bytes_out"))
+                outs[way] = out[0, ids.shape[1]:].tolist()
+                differ = [i for i, (a, b) in enumerate(zip(outs["load"], outs[way], strict=True)) if a != b]
+                same = "" if way == "load" else f"from token {differ[0]} on" if differ else "yes"
+                print(f"| {level} | {way} | {t1 - t0:.2f} | {args.gen / (t2 - t1):.1f} | "
+                      f"{args.gen / (t2 - t0):.1f} | {wire / args.gen:,.0f} | {same} |", flush=True)
+                del cache
+        server.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
@@ -446,10 +513,14 @@ def main() -> int:
     q.add_argument("--cont", type=int, default=256)
     q.add_argument("--gen", type=int, default=128)
     q.add_argument("--threads", type=int, default=1)
-    for p in (t, q):
+    d = sub.add_parser("decode", help="decode over a stored context: attend in kvd against loading it")
+    d.add_argument("--context", type=int, default=8128)
+    d.add_argument("--gen", type=int, default=64)
+    d.add_argument("--levels", default="fp16,q4")
+    for p in (t, q, d):
         p.add_argument("--cache", default=None, help="model folder cache (kvd.integrations.model)")
     args = ap.parse_args()
-    ttft(args) if args.what == "ttft" else quality(args)
+    {"ttft": ttft, "quality": quality, "decode": decode}[args.what](args)
     return 0
 
 

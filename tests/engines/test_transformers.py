@@ -1,7 +1,8 @@
 """KvdCache under real transformers (SmolLM2-135M, fp32) against a real kvd shard server at level fp16.
 
 Greedy generation through a KvdCache must give the tokens a DynamicCache gives: when it loaded nothing (it is
-a DynamicCache then), when it resumes a stored sequence, and when it reuses a stored prompt prefix.
+a DynamicCache then), when it resumes a stored sequence, when it reuses a stored prompt prefix, and when the model
+attends over the stored sequence in kvd instead of loading it (``attend=True``, ``attn_implementation="kvd"``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 from kvd.client import Client  # noqa: E402
-from kvd.errors import UnknownSequence  # noqa: E402
+from kvd.errors import InvalidArgument, UnknownSequence  # noqa: E402
 from kvd.integrations import prefix  # noqa: E402
-from kvd.integrations.transformers import KvdCache  # noqa: E402
+from kvd.integrations.transformers import ATTENTION, KvdCache  # noqa: E402
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(600)]
 
@@ -37,6 +38,13 @@ def model(model_folder: Path) -> tuple[Any, Any]:
     torch.manual_seed(0)
     return (AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval(),
             AutoTokenizer.from_pretrained(model_folder))
+
+
+@pytest.fixture(scope="module")
+def kvd_model(model_folder: Path) -> Any:
+    """The same model with kvd's attention function (attends over a cache's stored tokens in kvd)."""
+    return AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32,
+                                                attn_implementation=ATTENTION).eval()
 
 
 @pytest.fixture(scope="module")
@@ -181,5 +189,63 @@ def test_a_conversation_spilled_to_disk_resumes_and_grows(model: tuple[Any, Any]
             assert resumed.save("conversation-a") == out.shape[1] - 1
             stats = srv.stats()
             assert stats["disk_hits"] >= 1 and stats["promotions"] == 1 and stats["evictions"] == 0
+    finally:
+        srv.stop()
+
+
+def test_attending_in_kvd_generates_what_dynamic_cache_does(model: tuple[Any, Any], kvd_model: Any,
+                                                            client: Client) -> None:
+    """The stored conversation stays in kvd: the cache holds only what comes after it, reports it in its length,
+    and the model's layers attend over it there. A follow-up of several tokens (a causal block after the stored
+    prefix, query heads grouped 3 to a KV head in this model) then greedy decoding: DynamicCache's tokens."""
+    m, tok = model
+    ids = ids_of(tok, SYSTEM + "Question: what did the merchants write?")
+    writer = KvdCache(client, m.config)
+    part = greedy(m, ids, writer, 12)
+    stored = writer.save("conversation-attend")
+    follow = torch.cat([part, ids_of(tok, " Answer in one sentence, then name a boat.")], -1)
+    want = greedy(m, follow, DynamicCache(config=m.config), 20)
+
+    assert torch.equal(greedy(kvd_model, ids, DynamicCache(config=m.config), 12), part)  # nothing stored: local
+    cache = KvdCache.resume(client, kvd_model.config, "conversation-attend", attend=True)
+    assert cache.stored_tokens == stored and cache.loaded_tokens == 0
+    assert cache.get_seq_length() == stored and cache.layers[0].keys is None  # nothing of it held here
+    out = greedy(kvd_model, follow, cache, 20)
+    assert torch.equal(out, want)
+    assert cache.layers[0].keys.shape[2] == out.shape[1] - 1 - stored  # only the tokens after the stored ones
+    assert cache.get_seq_length() == out.shape[1] - 1
+    assert cache.save("conversation-attend") == out.shape[1] - 1  # appends what came after
+
+    with pytest.raises(UnknownSequence):
+        KvdCache.resume(client, kvd_model.config, "never-stored", attend=True)
+    with pytest.raises(InvalidArgument, match="attn_implementation"):  # a model that would not look in kvd
+        greedy(m, follow, KvdCache.resume(client, m.config, "conversation-attend", attend=True), 1)
+
+
+def test_attending_in_kvd_over_compressed_pages_stays_within_the_levels_error(model: tuple[Any, Any],
+                                                                               kvd_model: Any) -> None:
+    """Next-token KL of attending in kvd over a prompt stored at q8 / q4, against the model over the raw prompt:
+    within the level's own error (LEVEL_KL), and above zero (the pages are compressed)."""
+    m, tok = model
+    ids = ids_of(tok, SYSTEM + "Question: where are the ledgers kept?")
+    n = ids.shape[1] - 7  # the model computes the last 7 tokens over the n stored ones
+    with torch.no_grad():
+        want = m(ids).logits[0, -1]
+    srv = KvdServer(level="q8")
+    try:
+        with Client(srv.endpoint) as kv:
+            for level in sorted(LEVEL_KL, reverse=True):  # q8, then q4
+                srv.set_level(level)
+                writer = KvdCache(kv, m.config)
+                with torch.no_grad():
+                    m(ids[:, :n], past_key_values=writer, use_cache=True)
+                assert writer.save(f"prompt-{level}") == n
+                assert kv.explain(writer.namespace, f"prompt-{level}", 0, 64)["level"] == level
+                cache = KvdCache.resume(kv, kvd_model.config, f"prompt-{level}", attend=True)
+                with torch.no_grad():
+                    got = kvd_model(ids[:, n:], past_key_values=cache, use_cache=True).logits[0, -1]
+                kl = torch.sum(torch.softmax(want, -1) * (torch.log_softmax(want, -1)
+                                                          - torch.log_softmax(got, -1))).item()
+                assert 0 < kl <= LEVEL_KL[level], (level, kl)
     finally:
         srv.stop()
