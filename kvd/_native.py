@@ -36,7 +36,9 @@ ENV_VAR = "KVD_PURE_PYTHON"
 # configuration, the command line and the package __init__ files (re-exports only).
 COMPILED = (
     "client.aio",
+    "client.conn",
     "client.core",
+    "client.messages",
     "client.sync",
     "codec.assemble",
     "codec.batch",

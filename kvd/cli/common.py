@@ -108,7 +108,7 @@ def _endpoint_arg(args: argparse.Namespace, config: Config) -> str:
         if ns != _DEFAULT_NAMESPACE and _live_note(ns) is None:
             raise NoKvd(no_kvd_message(ns))
         return _default_endpoint(config)
-    from kvd.client.core import check_endpoint
+    from kvd.client.conn import check_endpoint
     from kvd.errors import InvalidArgument
 
     try:

@@ -13,6 +13,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from kvd.client.conn import _open_socket
 from kvd.client.core import (
     CONNECT_GRACE_S,
     DEFAULT_TIMEOUT_S,
@@ -21,7 +22,6 @@ from kvd.client.core import (
     _Conn,
     _Core,
     _on_wire,
-    _open_socket,
     aggregate_stats,
 )
 from kvd.errors import InvalidArgument, KvdError

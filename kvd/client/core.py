@@ -1,26 +1,32 @@
-"""What :class:`kvd.client.Client` and :class:`kvd.client.aio.AsyncClient` share: connections (:class:`_Conn`),
-the reply-to-value mapping, and :class:`_Core`, which holds addressing, topology, routing, request ids and every
-call's *plan* (a generator of I/O actions that each client runs with its own I/O: blocking calls or awaits).
-Theory of operation: the docstring of :mod:`kvd.client`."""
+"""What :class:`kvd.client.Client` and :class:`kvd.client.aio.AsyncClient` share: :class:`_Core`, which holds
+addressing, topology, routing, request ids and every call's *plan* (a generator of I/O actions that each client
+runs with its own I/O: blocking calls or awaits). Connections are :mod:`kvd.client.conn`'s, requests and replies
+:mod:`kvd.client.messages`'s (their public names stay importable from here). Theory of operation: the docstring
+of :mod:`kvd.client`."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from typing import Any
 
 import numpy as np
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from kvd.codec.assemble import assemble
+from kvd.client.conn import RECYCLE_BYTES, _check_hello, _Conn, check_endpoint, recycle_buffers
+from kvd.client.messages import (
+    PACK_BELOW_BYTES,
+    _append_chunks,
+    _is_busy,
+    _on_wire,
+    _renumber,
+    _replace,
+    _value,
+    aggregate_stats,
+)
 from kvd.errors import (
-    Busy,
     InvalidArgument,
     KvdError,
     MessageTooLarge,
@@ -28,18 +34,11 @@ from kvd.errors import (
     ShardUnavailable,
     Timeout,
     UnknownSequence,
-    UnsupportedVersion,
     WrongShard,
 )
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
 from kvd.wire.routing import Topology
-from kvd.wire.sockets import (  # COPY_BELOW_BYTES: frames under it are copied when sent (kvd.wire.sockets)
-    COPY_BELOW_BYTES,
-    DEFAULT_HEARTBEAT_IVL_S,
-    DEFAULT_HEARTBEAT_TIMEOUT_S,
-    tune_malloc,
-)
 
 log = logging.getLogger(__name__)
 
@@ -56,283 +55,7 @@ _ROUTE_BACKOFF_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 # Sequences whose shard incarnation a client remembers (the most recently appended): an append to one of them
 # names that incarnation, so a restarted shard (empty, on any port) refuses to continue it in the middle.
 WRITTEN_ENTRIES = 65536
-# Appends of keys and values together under this many bytes go packed, in one frame, to a 1.4 server: each
-# ZeroMQ frame of 8 KiB or more costs both processes' I/O threads a send and a receive of its own, and packing
-# costs the client a copy of both tensors. Measured (bench/wire_phases.py --threads --op append, kvd against
-# kvd 1.3): 64 KiB level one at a time and 10% faster 8 in flight; from 128 KiB the copy makes a lone append
-# 5-9% slower (pipelined ones still gain 6-9%), and a decode step's latency is what an engine waits on.
-PACK_BELOW_BYTES = 128 << 10
 _IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register", "attend"})
-_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-_MONITOR_IDS = itertools.count()
-_NOT_ADDITIVE = frozenset({"epoch", "page_tokens", "sink_tokens", "window_tokens", "server_uptime_s",
-                           "server_queue_peak", "topology_epoch"})
-
-
-RECYCLE_BYTES = 1 << 30  # recycle_buffers' default: the free heap a client process keeps for its next replies
-
-
-def recycle_buffers(keep_bytes: int = RECYCLE_BYTES) -> bool:
-    """Opt in, for the whole process, to receive buffers that are reused warm instead of mapped fresh.
-
-    ZeroMQ receives every reply frame into a buffer it mallocs (an fp16 get's arrays are views of those
-    buffers). By default glibc maps a large buffer fresh and unmaps it when freed, and trims its heap once
-    enough is free at the top, so large gets pay a page fault per 4 KiB of every reply: 8 pipelined 32 MiB
-    gets spent about two thirds of the client's CPU there (BENCHMARKS.md, "Wire"). After this call, frames up
-    to 32 MiB come from the heap and up to ``keep_bytes`` of freed heap stay mapped for the next replies: set it
-    above the reply bytes this process has in flight at once (8 x 32 MiB gets: more than 256 MiB), at the cost
-    of that much memory kept by the process after a burst. It also puts every thread on one malloc arena (the
-    thread that receives and the one that frees must share it). kvd never calls it for you: malloc is the
-    process's, and an inference engine may tune it differently. Returns False (and changes nothing) where
-    malloc is not glibc's; raises InvalidArgument for a size below 32 MiB."""
-    if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 32 << 20:
-        raise InvalidArgument(f"keep_bytes must be an integer of at least 32 MiB, got {keep_bytes!r}")
-    return tune_malloc(trim_threshold_bytes=keep_bytes)
-
-
-# tcp://host:port (host: a name, an IPv4 address or a [bracketed] IPv6 one), ipc://path, inproc://name
-_TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.%]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})")
-
-
-def check_endpoint(name: str, value: Any) -> str:
-    """``value`` if it is an endpoint a DEALER can connect to (``tcp://host:port``, ``ipc://...``,
-    ``inproc://...``), else :class:`~kvd.errors.InvalidArgument` at once: ZeroMQ would otherwise refuse the
-    ``connect`` only after the socket exists, and a socket left open makes ``Context.term()`` wait forever."""
-    text = p.check_short_text(name, value, InvalidArgument)
-    m = _TCP_ENDPOINT.fullmatch(text)
-    if m is not None and 1 <= int(m.group(1)) <= 65535:
-        return text
-    if text.startswith(("ipc://", "inproc://")) and "://" in text and text.split("://", 1)[1]:
-        return text
-    raise InvalidArgument(f"{name} must be an endpoint like tcp://127.0.0.1:7070 (tcp://HOST:PORT, port "
-                          f"1-65535), got {text!r}")
-
-
-def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Cluster totals from per-shard stats: numbers summed (``epoch`` and settings: the maximum), maps of numbers
-    summed per key, ``pressure`` recomputed as used/capacity, a string kept when all shards agree (else
-    ``"mixed"``); ``shards`` counts the shards, ``errors`` those that did not answer."""
-    good = [s for s in per_shard if "error" not in s]
-    out: dict[str, Any] = {"shards": len(per_shard), "errors": len(per_shard) - len(good)}
-    for stats in good:
-        for key, value in stats.items():
-            if key in ("shard_id", "endpoint"):
-                continue
-            have = out.get(key)
-            if isinstance(value, bool) or value is None:
-                out[key] = value if have is None or have == value else "mixed"
-            elif isinstance(value, (int, float)):
-                if key in _NOT_ADDITIVE:
-                    out[key] = value if have is None else max(have, value)
-                else:
-                    out[key] = (have or 0) + value
-            elif isinstance(value, dict):
-                merged = dict(have) if isinstance(have, dict) else {}
-                for k, v in value.items():
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        merged[k] = merged.get(k, 0) + v
-                out[key] = merged
-            else:
-                out[key] = value if key not in out or have == value else "mixed"
-    if out.get("capacity_bytes"):
-        out["pressure"] = out.get("used_bytes", 0) / out["capacity_bytes"]
-    return out
-
-
-class _Conn:
-    """One DEALER to one server, with the replies received for requests still waited for."""
-
-    __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "positions",
-                 "packs_tensors", "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation", "attends")
-
-    def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
-        self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
-        self.shard_id: str | None = None
-        self.hello: p.HelloReply | None = None
-        self.limits = p.DEFAULT_LIMITS
-        self.packs = False  # the server takes get's packed field (protocol 1.1)
-        self.lookups = False  # the server answers lengths (protocol 1.2)
-        self.attends = False  # the server answers attend (protocol 1.5)
-        self.positions = False  # the server takes append's position field (protocol 1.3)
-        self.packs_tensors = False  # the server takes and sends keys and values in one frame (protocol 1.4)
-        self.incarnation: str | None = None  # the shard process this connection talks to (protocol 1.3)
-        self.waiting: dict[int, Any] = {}  # id -> None (sync: reply not yet in) or a Future (async)
-        self.replies: dict[int, Any] = {}
-        self.reader: asyncio.Task[None] | None = None
-        self.rcvtimeo = -2
-        self.closed = False
-
-    def auth_failure(self) -> str | None:
-        """Why the handshake failed, if the monitor saw it (CURVE key refused, or a CURVE / plain mismatch)."""
-        found = None
-        try:
-            while self.monitor.poll(0):
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
-                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                    found = "the server refused this client's CURVE key (not on its allow-list)"
-                elif found is None:
-                    found = "the security handshake failed (CURVE on one side only, or a wrong server key)"
-        except (zmq.ZMQError, ValueError):
-            pass
-        return found
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.reader is not None:
-            self.reader.cancel()
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(0)
-        self.sock.close(0)
-
-
-def _open_socket(ctx: Any, endpoint: str, curve: CurveConfig | None, limits: p.Limits) -> _Conn:
-    sock = ctx.socket(zmq.DEALER)
-    sock.copy_threshold = COPY_BELOW_BYTES  # AsyncClient's send_multipart(copy=False) copies frames under it
-    sock.setsockopt(zmq.LINGER, 0)  # close() must not wait for requests to a dead shard
-    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to live connections: a down shard fails fast
-    sock.setsockopt(zmq.MAXMSGSIZE, max(limits.max_frame_bytes, limits.max_header_bytes))
-    sock.setsockopt(zmq.HEARTBEAT_IVL, int(DEFAULT_HEARTBEAT_IVL_S * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(DEFAULT_HEARTBEAT_TIMEOUT_S * 1000))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, int(DEFAULT_HEARTBEAT_TIMEOUT_S * 1000))
-    if curve is not None:
-        curve.apply_client(sock)
-    # the handshake monitor is read only to explain a failure, with a plain socket also for AsyncClient
-    address = f"inproc://kvd-client-monitor-{next(_MONITOR_IDS)}"
-    sock.monitor(address, _MONITOR_EVENTS)
-    monitor: zmq.Socket[Any] = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
-    try:
-        monitor.connect(address)
-        sock.connect(endpoint)
-    except BaseException:
-        monitor.close(0)  # an open socket would make Context.term() wait forever
-        sock.close(0)
-        raise
-    return _Conn(endpoint, sock, monitor)
-
-
-def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
-    if isinstance(reply, p.ErrorReply):
-        raise reply.exception()
-    if not isinstance(reply, p.HelloReply):
-        raise ProtocolError(f"{conn.endpoint}: expected a hello reply, got {type(reply).__name__}")
-    if reply.protocol_version != p.PROTOCOL_VERSION:
-        raise UnsupportedVersion(f"{conn.endpoint} speaks protocol {reply.protocol_version}, this client "
-                                 f"{p.PROTOCOL_VERSION}")
-    if expect_id is not None and (reply.role != "shard" or reply.shard_id != expect_id):
-        raise ShardUnavailable(f"{conn.endpoint} is now {reply.role} {reply.shard_id!r}, not shard {expect_id!r} "
-                               "as the topology said")
-    conn.hello, conn.limits, conn.shard_id = reply, reply.limits, reply.shard_id
-    conn.packs = reply.protocol_minor >= 1
-    conn.lookups = reply.protocol_minor >= 2  # the lengths operation
-    conn.attends = reply.protocol_minor >= 5  # the attend operation
-    conn.positions = reply.protocol_minor >= 3  # append's position
-    conn.packs_tensors = reply.protocol_minor >= 4  # packed fp16 tensors (append, fp16 get reply)
-    conn.incarnation = reply.incarnation  # protocol 1.3: appends on this connection name this process
-
-
-def _value(req: Any, reply: Any) -> Any:
-    """The caller's result for ``reply`` to ``req``; an error reply is raised as its kvd error."""
-    if isinstance(reply, p.ErrorReply):
-        raise reply.exception()
-    if reply.OP != req.OP or (isinstance(req, p.GetRequest)
-                              and isinstance(reply, p.GetPagesReply) != (req.format == "pages")):
-        raise ProtocolError(f"reply {type(reply).__name__} does not answer {type(req).__name__}")
-    if isinstance(reply, (p.AppendReply, p.LengthReply)):
-        return reply.length
-    if isinstance(reply, p.LengthsReply):
-        if len(reply.lengths) != len(req.seq_ids):
-            raise ProtocolError(f"lengths reply holds {len(reply.lengths)} items for {len(req.seq_ids)} seq_ids")
-        return list(reply.lengths)
-    if isinstance(reply, p.GetReply):
-        return reply.keys, reply.values
-    if isinstance(reply, p.AttendReply):
-        if reply.out.shape != req.queries.shape:
-            raise ProtocolError(f"attend reply has shape {list(reply.out.shape)} for queries "
-                                f"{list(req.queries.shape)}")
-        return reply.out, reply.lse
-    if isinstance(reply, p.GetPagesReply):
-        return assemble(reply.entries, reply.start, reply.end, reply.layers)
-    if isinstance(reply, p.DropReply):
-        return reply.dropped
-    if isinstance(reply, p.StatsReply):
-        return reply.stats
-    if isinstance(reply, p.ExplainReply):
-        return {"level": reply.level, "reasons": list(reply.reasons), **(reply.details or {})}
-    if isinstance(reply, p.TopologyReply):
-        return {"epoch": reply.epoch, "shards": [dict(s) for s in reply.shards], "level": reply.level,
-                "level_epoch": reply.level_epoch}
-    return None
-
-
-def _append_chunks(keys: Any, values: Any, limits: p.Limits) -> list[tuple[Any, Any]]:
-    """Split an append along T so that each message fits ``limits`` (docs/protocol.md §6.4)."""
-    room = min(limits.max_frame_bytes, (limits.max_message_bytes - limits.max_header_bytes) // 2)
-    if isinstance(keys, np.ndarray) and keys.nbytes <= room:
-        return [(keys, values)]  # the common case, without a second look at the arrays
-    k, v = p.as_array(keys, "keys"), p.as_array(values, "values")
-    if k.ndim != 4 or k.shape[1] < 2:
-        return [(keys, values)]
-    per_token = k.nbytes // k.shape[1]
-    step = max(1, room // max(per_token, 1))
-    if k.shape[1] <= step:
-        return [(keys, values)]
-    return [(k[:, t:t + step], v[:, t:t + step]) for t in range(0, k.shape[1], step)]
-
-
-_SLOTS: dict[type, tuple[str, ...]] = {}  # a message class -> every slot of it and its bases
-
-
-def _replace(req: Any, **changes: Any) -> Any:
-    """``req`` with ``changes`` (messages are frozen; their fields were validated already, the changes must be
-    valid too)."""
-    cls = type(req)
-    names = _SLOTS.get(cls)
-    if names is None:
-        names = _SLOTS[cls] = tuple(name for c in cls.__mro__ for name in getattr(c, "__slots__", ())
-                                    if name != "__weakref__")
-    clone = object.__new__(cls)
-    setattr_ = object.__setattr__
-    for name in names:
-        setattr_(clone, name, changes[name] if name in changes else getattr(req, name))
-    return clone
-
-
-def _renumber(req: Any, rid: int) -> Any:
-    """``req`` under a new request id."""
-    return _replace(req, request_id=rid)
-
-
-def _on_wire(conn: _Conn, req: Any) -> Any:
-    """``req`` as sent on ``conn``. A get asks for its reply packed (fewer frames, docs/protocol.md §6.5) where
-    the server speaks it: pages from protocol 1.1, fp16 keys and values from 1.4 (the client's gets ask for it
-    from the start, and it is taken out here for an older server). An append under ``PACK_BELOW_BYTES`` (and
-    within the frame limit) goes packed to a 1.4 server (§6.4), and names the shard incarnation the connection's
-    hello found (protocol 1.3), so a successor on the same port refuses it. The caller's result is the same. An
-    append's ``position`` is left out for a server older than 1.3: it only spares pages the sink protection, so
-    such a server stores the tokens the same, at most with one more fp16 page."""
-    kind = type(req)
-    if kind is p.GetRequest:
-        if req.packed != (conn.packs if req.format == "pages" else conn.packs_tensors):
-            return _replace(req, packed=not req.packed)
-        return req
-    if kind is not p.AppendRequest:
-        return req
-    changes: dict[str, Any] = {}
-    if not conn.positions and req.position is not None:
-        changes["position"] = None
-    if conn.incarnation is not None and req.incarnation is None:
-        changes["incarnation"] = conn.incarnation
-    if conn.packs_tensors and not req.packed:
-        size = 2 * req.keys.nbytes  # (one frame: it must fit the server's frame limit too)
-        if size < PACK_BELOW_BYTES and size <= conn.limits.max_frame_bytes:
-            changes["packed"] = True
-    return _replace(req, **changes) if changes else req
 
 
 class First:
@@ -344,10 +67,6 @@ class First:
 
     def __init__(self, conn: _Conn, req: Any, deadline: float, outcome: Any) -> None:
         self.conn, self.req, self.deadline, self.outcome = conn, req, deadline, outcome
-
-
-def _is_busy(reply: Any) -> bool:
-    return isinstance(reply, p.ErrorReply) and reply.code == Busy.code
 
 
 # A plan is a generator that yields I/O actions and gets their results back (or has their exceptions thrown in
@@ -718,8 +437,8 @@ class _Core:
         listed = None if positions is None else tuple(int(i) for i in np.asarray(positions).reshape(-1))
 
         def make(rid: int) -> p.AttendRequest:
-            return p.AttendRequest(request_id=rid, namespace=namespace, seq_id=seq_id, layer=layer, queries=queries,
-                                   start=start, end=end, scale=scale, positions=listed)
+            return p.AttendRequest(request_id=rid, namespace=namespace, seq_id=seq_id, layer=layer,
+                                   queries=queries, start=start, end=end, scale=scale, positions=listed)
         return (yield from self._g_routed(make, namespace, seq_id, timeout_s))
 
     def _plan_lengths(self, namespace: str, seq_ids: Sequence[p.SeqId], timeout_s: float | None) -> Plan:

@@ -58,6 +58,7 @@ import zmq
 import zmq.backend
 
 from kvd.client.aio import AsyncClient  # re-exported: kvd.client is where callers import it from
+from kvd.client.conn import _open_socket
 from kvd.client.core import (
     CONNECT_GRACE_S,
     DEFAULT_TIMEOUT_S,
@@ -68,7 +69,6 @@ from kvd.client.core import (
     _Conn,
     _Core,
     _on_wire,
-    _open_socket,
     _value,
     aggregate_stats,
 )

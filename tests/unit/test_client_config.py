@@ -351,7 +351,7 @@ def test_request_frames_under_the_copy_bound_are_copied_and_larger_ones_sent_fro
         monkeypatch: pytest.MonkeyPatch) -> None:
     import zmq
 
-    from kvd.client.core import COPY_BELOW_BYTES, _open_socket
+    from kvd.client.conn import COPY_BELOW_BYTES, _open_socket
     from kvd.wire import sockets
 
     sent: list[tuple[int, int, bool]] = []  # (bytes, flags, copied) of each part
