@@ -57,7 +57,7 @@ def _tree() -> str:
 sys.path.insert(0, _tree())
 
 from kvd.codec import batch as page_batch  # noqa: E402
-from kvd.codec import kernels
+from kvd.codec import kernels  # noqa: E402
 from kvd.evaluate import attention, sample_path  # noqa: E402
 from kvd.store import Store  # noqa: E402
 from kvd.store import pool as sp  # noqa: E402

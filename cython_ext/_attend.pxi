@@ -18,6 +18,7 @@ cdef extern from "kvd_attend.h" nogil:
         int64_t tq, hq, hkv, d
     ctypedef void (*kvd_attend_tile_fn)(const kvd_attend_state *st, const uint16_t *k, const uint16_t *v,
                                         int64_t n, int64_t token0)
+    enum: KVD_ATTEND_GROUP
     kvd_attend_tile_fn kvd_attend_pick(const kvd_backend *b)
     const char *kvd_attend_name(const kvd_backend *b)
 
@@ -75,7 +76,7 @@ def attend_tile(Backend be, q, pos, m, l, acc, k, v, int64_t token0):
     cdef kvd_attend_tile_fn fn = kvd_attend_pick(be.b)
     cdef const uint16_t *pk = <const uint16_t *>_data(k)
     cdef const uint16_t *pv = <const uint16_t *>_data(v)
-    st.scores = <float *>PyMem_Malloc(n * sizeof(float))
+    st.scores = <float *>PyMem_Malloc(KVD_ATTEND_GROUP * n * sizeof(float))
     if st.scores == NULL:
         raise MemoryError()
     try:
@@ -117,7 +118,7 @@ def attend_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_
     cdef uint16_t *vbuf = <uint16_t *>_data(vscratch)
     cdef const kvd_page_spec **specs = <const kvd_page_spec **>PyMem_Malloc(2 * n * sizeof(void *))
     cdef const uint8_t **src = <const uint8_t **>PyMem_Malloc(n * sizeof(void *))
-    st.scores = <float *>PyMem_Malloc(p * sizeof(float))
+    st.scores = <float *>PyMem_Malloc(KVD_ATTEND_GROUP * p * sizeof(float))
     if specs == NULL or src == NULL or st.scores == NULL:
         PyMem_Free(specs); PyMem_Free(src); PyMem_Free(st.scores)
         raise MemoryError()

@@ -22,9 +22,13 @@ typedef struct {
     const float *q;       /* [tq, hq, d] */
     const int64_t *pos;   /* [tq] */
     float *m, *l, *acc;   /* [tq, hq], [tq, hq], [tq, hq, d] */
-    float *scores;        /* scratch: n floats */
+    float *scores;        /* scratch: KVD_ATTEND_GROUP * n floats */
     int64_t tq, hq, hkv, d;
 } kvd_attend_state;
+
+/* Query heads of one KV head that the AVX2 tile serves in one pass over the keys and values: each float16 row
+ * is converted to float32 once for all of them instead of once per head. */
+#define KVD_ATTEND_GROUP 4
 
 typedef void (*kvd_attend_tile_fn)(const kvd_attend_state *st, const uint16_t *k, const uint16_t *v, int64_t n,
                                    int64_t token0);
@@ -93,6 +97,91 @@ KVD_I256 float kvd256_hsum(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
+/* Scores, softmax update and values of query t's heads h0 .. h0 + NB - 1, which share the KV head whose rows
+ * start at kb / vb: each key and value row is loaded and converted once for the NB heads. NB is a constant at
+ * each call (kvd_attend_tile_avx2), so the head loops unroll and the accumulators stay in registers. */
+KVD_I256 void kvd_attend_group_avx2(const kvd_attend_state *st, int64_t t, int64_t h0, const int NB,
+                                    const uint16_t *kb, const uint16_t *vb, int64_t lim) {
+    const int64_t hq = st->hq, d = st->d, hd = st->hkv * d, d8 = d & ~(int64_t)7;
+    const float *qv[KVD_ATTEND_GROUP];
+    float *sc[KVD_ATTEND_GROUP];
+    for (int b = 0; b < NB; b++) {
+        qv[b] = st->q + (t * hq + h0 + b) * d;
+        sc[b] = st->scores + b * lim;
+    }
+    /* scores: one key row, converted once, against the NB queries */
+    for (int64_t j = 0; j < lim; j++) {
+        const uint16_t *k0 = kb + j * hd;
+        __m256 a[KVD_ATTEND_GROUP];
+        for (int b = 0; b < NB; b++) a[b] = _mm256_setzero_ps();
+        int64_t c = 0;
+        for (; c < d8; c += 8) {
+            const __m256 kc = kvd256_ld8(k0 + c);
+            for (int b = 0; b < NB; b++) a[b] = _mm256_fmadd_ps(_mm256_loadu_ps(qv[b] + c), kc, a[b]);
+        }
+        for (int b = 0; b < NB; b++) {
+            float s = kvd256_hsum(a[b]);
+            for (int64_t cc = c; cc < d; cc++) s += qv[b][cc] * kvd256_h2f(k0[cc]);
+            sc[b][j] = s;
+        }
+    }
+    /* the softmax update of each head, as in the tile of one head */
+    float alpha[KVD_ATTEND_GROUP];
+    for (int b = 0; b < NB; b++) {
+        float *mp = st->m + t * hq + h0 + b, *lp = st->l + t * hq + h0 + b, mx = -INFINITY;
+        for (int64_t j = 0; j < lim; j++) mx = sc[b][j] > mx ? sc[b][j] : mx;
+        const float top = mx > *mp ? mx : *mp;
+        alpha[b] = expf(*mp - top);
+        const __m256 vtop = _mm256_set1_ps(top);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= lim; j += 8) {
+            const __m256 p = kvd256_exp(_mm256_sub_ps(_mm256_loadu_ps(sc[b] + j), vtop));
+            _mm256_storeu_ps(sc[b] + j, p);
+            vsum = _mm256_add_ps(vsum, p);
+        }
+        float sum = kvd256_hsum(vsum);
+        for (; j < lim; j++) {
+            sc[b][j] = expf(sc[b][j] - top);
+            sum += sc[b][j];
+        }
+        *lp = *lp * alpha[b] + sum;
+        *mp = top;
+    }
+    /* values: 16 channels of the NB outputs in registers over every token, each value row converted once */
+    float *ap[KVD_ATTEND_GROUP];
+    for (int b = 0; b < NB; b++) ap[b] = st->acc + (t * hq + h0 + b) * d;
+    int64_t c = 0;
+    for (; c + 16 <= d8; c += 16) {
+        __m256 o0[KVD_ATTEND_GROUP], o1[KVD_ATTEND_GROUP];
+        for (int b = 0; b < NB; b++) {
+            const __m256 va = _mm256_set1_ps(alpha[b]);
+            o0[b] = _mm256_mul_ps(_mm256_loadu_ps(ap[b] + c), va);
+            o1[b] = _mm256_mul_ps(_mm256_loadu_ps(ap[b] + c + 8), va);
+        }
+        for (int64_t j = 0; j < lim; j++) {
+            const uint16_t *vr = vb + j * hd + c;
+            const __m256 v0 = kvd256_ld8(vr), v1 = kvd256_ld8(vr + 8);
+            for (int b = 0; b < NB; b++) {
+                const __m256 p = _mm256_broadcast_ss(sc[b] + j);
+                o0[b] = _mm256_fmadd_ps(p, v0, o0[b]);
+                o1[b] = _mm256_fmadd_ps(p, v1, o1[b]);
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            _mm256_storeu_ps(ap[b] + c, o0[b]);
+            _mm256_storeu_ps(ap[b] + c + 8, o1[b]);
+        }
+    }
+    for (; c < d; c++) {  /* the channels past the last 16: one at a time */
+        for (int b = 0; b < NB; b++) {
+            float o = ap[b][c] * alpha[b];
+            for (int64_t j = 0; j < lim; j++) o += sc[b][j] * kvd256_h2f(vb[j * hd + c]);
+            ap[b][c] = o;
+        }
+    }
+}
+
 KVD_T256 static void kvd_attend_tile_avx2(const kvd_attend_state *st, const uint16_t *k, const uint16_t *v,
                                           int64_t n, int64_t token0) {
     const int64_t hq = st->hq, d = st->d, g = hq / st->hkv, hd = st->hkv * d, d8 = d & ~(int64_t)7;
@@ -101,7 +190,21 @@ KVD_T256 static void kvd_attend_tile_avx2(const kvd_attend_state *st, const uint
         int64_t lim = st->pos[t] - token0 + 1;
         if (lim <= 0) continue;
         if (lim > n) lim = n;
-        for (int64_t h = 0; h < hq; h++) {
+        if (g > 1) {  /* grouped-query: a KV head's query heads in passes of up to KVD_ATTEND_GROUP */
+            for (int64_t kh = 0; kh < st->hkv; kh++) {
+                const uint16_t *kb = k + kh * d, *vb = v + kh * d;
+                for (int64_t h0 = kh * g; h0 < (kh + 1) * g; h0 += KVD_ATTEND_GROUP) {
+                    switch ((kh + 1) * g - h0 >= KVD_ATTEND_GROUP ? KVD_ATTEND_GROUP : (kh + 1) * g - h0) {
+                    case 4: kvd_attend_group_avx2(st, t, h0, 4, kb, vb, lim); break;
+                    case 3: kvd_attend_group_avx2(st, t, h0, 3, kb, vb, lim); break;
+                    case 2: kvd_attend_group_avx2(st, t, h0, 2, kb, vb, lim); break;
+                    default: kvd_attend_group_avx2(st, t, h0, 1, kb, vb, lim); break;
+                    }
+                }
+            }
+            continue;
+        }
+        for (int64_t h = 0; h < hq; h++) {  /* one query head per KV head */
             const float *qv = st->q + (t * hq + h) * d;
             const uint16_t *kb = k + (h / g) * d, *vb = v + (h / g) * d;
             /* scores, two tokens at a time (two independent FMA chains) */

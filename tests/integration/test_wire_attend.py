@@ -95,7 +95,6 @@ def test_bad_input_gets_clear_errors_and_the_shard_keeps_serving(q8_shard: Serve
 @pytest.mark.timeout(60)
 def test_a_malformed_attend_gets_a_protocol_error(q8_shard: ServerProcess) -> None:
     import zmq
-
     from test_wire import raw_dealer
 
     ctx = zmq.Context()

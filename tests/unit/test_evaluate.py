@@ -9,7 +9,6 @@ import pytest
 from kvd.evaluate import attention, eps_o
 
 
-
 def by_definition(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_queries: int) -> np.ndarray:
     t, hq, d = q.shape
     g = hq // k.shape[1]

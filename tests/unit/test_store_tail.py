@@ -44,7 +44,8 @@ def test_the_step_schedule_holds_the_fill_wastes_under_three_quarters_and_ends_a
         caps = [tail_tokens(f, p) for f in range(1, p + 1)]
         assert caps == sorted(caps) and caps[-1] == p
         steps = sorted(set(caps))
-        assert all(b == 4 * a or b == p for a, b in zip(steps, steps[1:]))  # few steps: each one is a copy
+        # few steps: each one is a copy
+        assert all(b == 4 * a or b == p for a, b in zip(steps, steps[1:], strict=False))
         for f, cap in enumerate(caps, 1):
             assert f <= cap <= p and (cap < 4 * f or cap == 1)
 
