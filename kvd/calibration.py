@@ -364,6 +364,10 @@ class Calibration:
                       for k, p in sorted(self.plans.items())},
         }  # fmt: skip
 
+    def sealed(self) -> Calibration:
+        """This record with its digest computed from its contents."""
+        return Calibration(*(getattr(self, f) for f in _FIELDS[:-1]), digest=_digest(self.body()))  # type: ignore[misc]
+
     def to_dict(self) -> dict[str, Any]:
         return {**self.body(), "digest": self.digest}
 
@@ -425,7 +429,7 @@ def calibrate(sample: Sample, *, budgets: Mapping[str, float] | None = None, eig
         sink_tokens, eight_bit, __version__, _tuples(e),
         plans,
     )  # fmt: skip
-    return Calibration(*(getattr(cal, f) for f in _FIELDS[:-1]), digest=_digest(cal.body()))  # type: ignore[misc]
+    return cal.sealed()
 
 
 _FIELDS = ("model", "layout", "dtype", "tokens", "page_tokens", "sink_tokens", "eight_bit", "kvd_version",
