@@ -6,8 +6,8 @@ kvd store at each level, with the default protection and with the protection a c
 
 capture (engine venv: torch, transformers): the offline SmolLM2-135M-Instruct's queries, keys (post-RoPE) and
 values over the first ``--tokens`` tokens of each of five real texts found on every Debian machine (two
-licenses that are not the calibration sample's, three chapters of Python's reference), one ``.npz`` per text,
-through :func:`kvd.integrations.capture.capture_sample`.
+licenses that are not the calibration sample's, three chapters of Python's reference), one ``.npz`` per text
+(kept if already there), through :func:`kvd.integrations.capture.capture_sample`.
 
 measure: the calibration is made from the shared sample (``$KVD_SAMPLE`` or ``shared/data``: 512 tokens of
 another license text) with the budgets given; each held-out text is then appended as one sequence to a store
@@ -25,13 +25,14 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvd import calibration as cal  # noqa: E402
-from kvd.evaluate import eps_o, sample_path  # noqa: E402
+from kvd.evaluate import attention, sample_path  # noqa: E402
 from kvd.store import Store  # noqa: E402
 
 NS = "heldout"
@@ -51,18 +52,24 @@ def capture(args: argparse.Namespace) -> None:
     tok = AutoTokenizer.from_pretrained(folder)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    chosen = [n for n in texts() if n != "GPL-3"]  # the shared sample is the start of a license: keep it out
-    for name in chosen[:5]:
+    import pydoc_data.topics as topics
+
+    found = {n: t for n, t in texts().items() if n != "GPL-3"}  # the shared sample is the start of a license
+    for name in ("specialnames", "types", "formatstrings"):  # more of Python's reference, to make five
+        if len(found) < 5 and name in topics.topics:
+            found[f"python:{name}"] = topics.topics[name]
+    for name, text in list(found.items())[:5]:
         path = out / (name.replace(":", "_") + ".npz")
-        capture_sample(model, tok, [texts()[name]], tokens=args.tokens, path=path,
-                       model_id="SmolLM2-135M-Instruct")
+        if path.exists():
+            continue
+        capture_sample(model, tok, [text], tokens=args.tokens, path=path, model_id="SmolLM2-135M-Instruct")
         print(f"captured {name}: {path}")
 
 
-def stored(samples: list[cal.Sample], level: str, calibration: cal.Calibration | None) -> tuple[list[float], int,
-                                                                                                 int]:
-    """eps_O of every layer of every sample stored at ``level`` (with ``calibration`` if given), the store's
-    used bytes and the values stored."""
+def stored(samples: list[cal.Sample], refs: list[list[np.ndarray]], level: str,
+           calibration: cal.Calibration | None) -> tuple[list[float], int, int]:
+    """eps_O of every layer of every sample stored at ``level`` (with ``calibration`` if given; ``refs`` the
+    attention outputs over the originals), the store's used bytes and the values stored."""
     n, h, d = samples[0].layout
     s = Store(4 << 30)
     s.register(NS, num_layers=n, num_kv_heads=h, head_dim=d)
@@ -77,7 +84,14 @@ def stored(samples: list[cal.Sample], level: str, calibration: cal.Calibration |
         s.append(NS, i, k, v)
         values += k.size + v.size
         gk, gv = s.get(NS, i)
-        errs += [eps_o(q, kk, vv, gk[j], gv[j]) for j, (q, kk, vv) in enumerate(smp.layers)]
+        if level == "fp16":  # stored as is: no error to compute
+            assert np.array_equal(gk.view(np.uint16), k.view(np.uint16))
+            assert np.array_equal(gv.view(np.uint16), v.view(np.uint16))
+            errs += [0.0] * n
+            continue
+        for j, (q, _, _) in enumerate(smp.layers):
+            o = refs[i][j]
+            errs.append(float(np.linalg.norm(attention(q, gk[j], gv[j]) - o) / np.linalg.norm(o)))
     return errs, s.stats()["used_bytes"] - base, values
 
 
@@ -85,7 +99,15 @@ def measure(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     sample = cal.load_sample(args.sample or sample_path())
     budgets = {"8bit": args.q8_budget, "q4": args.q4_budget}
-    c = cal.calibrate(sample, budgets=budgets, model="SmolLM2-135M-Instruct")
+    saved = Path(args.calibration) if args.calibration else None
+    if saved is not None and saved.exists():
+        c = cal.from_dict(msgpack.unpackb(saved.read_bytes(), raw=False))
+        if {k: p.budget for k, p in c.plans.items()} != budgets:
+            raise SystemExit(f"{saved} holds a calibration for budgets {sorted(c.plans.items())}: remove it")
+    else:
+        c = cal.calibrate(sample, budgets=budgets, model="SmolLM2-135M-Instruct")
+        if saved is not None:
+            saved.write_bytes(msgpack.packb(c.to_dict(), use_bin_type=True))
     print(f"calibration on {sample.tokens} tokens of the shared sample ({time.perf_counter() - t0:.0f} s): "
           f"digest {c.digest[:16]}")
     for name, p in sorted(c.plans.items()):
@@ -95,6 +117,7 @@ def measure(args: argparse.Namespace) -> None:
     if not files:
         raise SystemExit(f"no held-out samples in {args.heldout}: run `bench/calibration.py capture` first")
     held = [cal.load_sample(f) for f in files]
+    refs = [[attention(q, k, v) for q, k, v in smp.layers] for smp in held]
     print(f"held-out: {len(held)} texts x {held[0].tokens} tokens ({', '.join(f.stem for f in files)})\n")
     print(f"{'level':<7}{'protection':<13}{'eps_O mean':>11}{'eps_O worst':>13}{'bits/value':>12}"
           f"{'tokens/GiB':>12}{'vs fp16':>9}")
@@ -103,7 +126,7 @@ def measure(args: argparse.Namespace) -> None:
         for label, calib in (("default", None), ("calibrated", c)):
             if level == "fp16" and calib is not None:
                 continue
-            errs, used, values = stored(held, level, calib)
+            errs, used, values = stored(held, refs, level, calib)
             bits = 8 * used / values
             fp16_bits = fp16_bits or bits
             per_token = used / (values / (2 * held[0].layout[0] * held[0].layout[1] * held[0].layout[2]))
@@ -125,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--q4-budget", type=float, default=cal.DEFAULT_BUDGETS["q4"])
     m.add_argument("--q8-budget", type=float, default=cal.DEFAULT_BUDGETS["8bit"])
     m.add_argument("--table", action="store_true", help="also print the calibration's table")
+    m.add_argument("--calibration", default=None, help="a file to keep the calibration in (reused when there)")
     args = ap.parse_args(argv)
     (capture if args.cmd == "capture" else measure)(args)
     return 0
