@@ -25,7 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,40 +97,41 @@ def stored(samples: list[cal.Sample], refs: list[list[np.ndarray]], level: str,
 def measure(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     sample = cal.load_sample(args.sample or sample_path())
-    budgets = {"8bit": args.q8_budget, "q4": args.q4_budget}
-    saved = Path(args.calibration) if args.calibration else None
+    saved = Path(args.errors) if args.errors else None
     if saved is not None and saved.exists():
-        c = cal.from_dict(msgpack.unpackb(saved.read_bytes(), raw=False))
-        if {k: p.budget for k, p in c.plans.items()} != budgets:
-            raise SystemExit(f"{saved} holds a calibration for budgets {sorted(c.plans.items())}: remove it")
+        e = np.load(saved)
     else:
-        c = cal.calibrate(sample, budgets=budgets, model="SmolLM2-135M-Instruct")
+        e = cal.measure(sample)
         if saved is not None:
-            saved.write_bytes(msgpack.packb(c.to_dict(), use_bin_type=True))
-    print(f"calibration on {sample.tokens} tokens of the shared sample ({time.perf_counter() - t0:.0f} s): "
-          f"digest {c.digest[:16]}")
-    for name, p in sorted(c.plans.items()):
-        print(f"  {name}: budget {100 * p.budget:.2f}%, on the sample eps_O mean {100 * p.mean:.2f}% worst "
-              f"{100 * p.worst:.2f}%, {p.protected} head tensors protected; {p.off or 'on'}")
+            np.save(saved, e)
+    cals = {b: cal.calibrate(sample, budgets={"8bit": args.q8_budget, "q4": b}, model="SmolLM2-135M-Instruct",
+                             errors=e) for b in args.q4_budget}
+    print(f"calibrations on {sample.tokens} tokens of the shared sample ({time.perf_counter() - t0:.0f} s)")
+    for c in cals.values():
+        for name, p in sorted(c.plans.items()):
+            print(f"  {c.digest[:16]} {name}: budget {100 * p.budget:.2f}%, on the sample eps_O mean "
+                  f"{100 * p.mean:.2f}% worst {100 * p.worst:.2f}%, {p.bits:.2f} bits per value of page payload, "
+                  f"{p.protected} head tensors protected; {p.off or 'on'}")
     files = sorted(Path(args.heldout).glob("*.npz"))
     if not files:
         raise SystemExit(f"no held-out samples in {args.heldout}: run `bench/calibration.py capture` first")
     held = [cal.load_sample(f) for f in files]
     refs = [[attention(q, k, v) for q, k, v in smp.layers] for smp in held]
     print(f"held-out: {len(held)} texts x {held[0].tokens} tokens ({', '.join(f.stem for f in files)})\n")
-    print(f"{'level':<7}{'protection':<13}{'eps_O mean':>11}{'eps_O worst':>13}{'bits/value':>12}"
+    print(f"{'level':<7}{'protection':<15}{'eps_O mean':>11}{'eps_O worst':>13}{'bits/value':>12}"
           f"{'tokens/GiB':>12}{'vs fp16':>9}")
     fp16_bits = None
-    for level in ("fp16", "q8", "q4"):
-        for label, calib in (("default", None), ("calibrated", c)):
-            if level == "fp16" and calib is not None:
-                continue
-            errs, used, values = stored(held, refs, level, calib)
-            bits = 8 * used / values
-            fp16_bits = fp16_bits or bits
-            per_token = used / (values / (2 * held[0].layout[0] * held[0].layout[1] * held[0].layout[2]))
-            print(f"{level:<7}{label:<13}{100 * np.mean(errs):>10.2f}%{100 * np.max(errs):>12.2f}%{bits:>12.3f}"
-                  f"{(1 << 30) / per_token:>12,.0f}{fp16_bits / bits:>8.2f}x")
+    c = cals[args.q4_budget[0]]
+    runs = [] if args.q4_only else [("fp16", "default", None), ("q8", "default", None), ("q8", "calibrated", c)]
+    runs.append(("q4", "default", None))
+    runs += [("q4", f"calib. {100 * b:.1f}%", x) for b, x in cals.items()]
+    for level, label, calib in runs:
+        errs, used, values = stored(held, refs, level, calib)
+        bits = 8 * used / values
+        fp16_bits = fp16_bits or bits
+        per_token = used / (values / (2 * held[0].layout[0] * held[0].layout[1] * held[0].layout[2]))
+        print(f"{level:<7}{label:<15}{100 * np.mean(errs):>10.2f}%{100 * np.max(errs):>12.2f}%{bits:>12.3f}"
+              f"{(1 << 30) / per_token:>12,.0f}{fp16_bits / bits:>8.2f}x")
     if args.table:
         print("\n" + c.table())
 
@@ -145,10 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("measure", help="calibrate on the shared sample, measure on the held-out ones")
     m.add_argument("--heldout", default="/var/tmp/kvd-heldout")
     m.add_argument("--sample", type=Path, default=None)
-    m.add_argument("--q4-budget", type=float, default=cal.DEFAULT_BUDGETS["q4"])
+    m.add_argument("--q4-budget", type=lambda x: [float(b) for b in x.split(",")],
+                   default=[cal.DEFAULT_BUDGETS["q4"]],
+                   help="the q4 budget, or several (comma-separated): one calibrated row each")
     m.add_argument("--q8-budget", type=float, default=cal.DEFAULT_BUDGETS["8bit"])
     m.add_argument("--table", action="store_true", help="also print the calibration's table")
-    m.add_argument("--calibration", default=None, help="a file to keep the calibration in (reused when there)")
+    m.add_argument("--q4-only", action="store_true", help="only the q4 rows")
+    m.add_argument("--errors", default=None, help="a .npy file to keep the sample's measured errors in (reused)")
     args = ap.parse_args(argv)
     (capture if args.cmd == "capture" else measure)(args)
     return 0

@@ -414,14 +414,19 @@ def _digest(body: dict[str, Any]) -> str:
 
 
 def calibrate(sample: Sample, *, budgets: Mapping[str, float] | None = None, eight_bit: str = "q8",
-              page_tokens: int = 64, sink_tokens: int = 4, model: str | None = None) -> Calibration:
+              page_tokens: int = 64, sink_tokens: int = 4, model: str | None = None,
+              errors: np.ndarray | None = None) -> Calibration:
     """Measure ``sample`` and choose each level's protection within ``budgets`` (default
-    :data:`DEFAULT_BUDGETS`; keys ``"8bit"``, ``"q4"``)."""
+    :data:`DEFAULT_BUDGETS`; keys ``"8bit"``, ``"q4"``). ``errors``: :func:`measure`'s result for this sample
+    and these settings, if already at hand (several budgets, one measurement)."""
     b = dict(DEFAULT_BUDGETS if budgets is None else budgets)
     unknown = set(b) - set(RUNGS[1:])
     if unknown:
         raise InvalidArgument(f"unknown budget level {sorted(unknown)}; expected '8bit' and/or 'q4'")
-    e = measure(sample, eight_bit=eight_bit, page_tokens=page_tokens, sink_tokens=sink_tokens)
+    e = errors if errors is not None else measure(sample, eight_bit=eight_bit, page_tokens=page_tokens,
+                                                  sink_tokens=sink_tokens)
+    if e.shape != (*sample.layout[:2], 2, 3):
+        raise InvalidArgument(f"errors of shape {e.shape} do not fit the sample's layout {sample.layout}")
     plans = {lv: choose_verified(sample, e, lv, bud, eight_bit=eight_bit, page_tokens=page_tokens,
                                  sink_tokens=sink_tokens) for lv, bud in b.items()}
     cal = Calibration(

@@ -163,3 +163,10 @@ def test_samples_load_from_npz_files(tmp_path: Path) -> None:
         cal.load_sample(tmp_path / "missing.npz")
     with pytest.raises(InvalidArgument, match="beyond the sink"):
         cal.measure(s, page_tokens=128)
+
+
+def test_a_measurement_at_hand_serves_several_budgets(sample: cal.Sample, errors: np.ndarray) -> None:
+    budgets = {"q4": 0.8 * cal.choose(errors, "q4", 1.0).mean, "8bit": 1.0}
+    assert cal.calibrate(sample, budgets=budgets, errors=errors) == cal.calibrate(sample, budgets=budgets)
+    with pytest.raises(InvalidArgument, match="do not fit"):
+        cal.calibrate(sample, budgets=budgets, errors=errors[:1])
