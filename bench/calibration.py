@@ -119,7 +119,7 @@ def measure(args: argparse.Namespace) -> None:
     refs = [[attention(q, k, v) for q, k, v in smp.layers] for smp in held]
     print(f"held-out: {len(held)} texts x {held[0].tokens} tokens ({', '.join(f.stem for f in files)})\n")
     print(f"{'level':<7}{'protection':<15}{'eps_O mean':>11}{'eps_O worst':>13}{'bits/value':>12}"
-          f"{'tokens/GiB':>12}{'vs fp16':>9}")
+          f"{'tokens/GiB':>12}{'vs q4 default' if args.q4_only else 'vs fp16':>14}")
     fp16_bits = None
     c = cals[args.q4_budget[0]]
     runs = [] if args.q4_only else [("fp16", "default", None), ("q8", "default", None), ("q8", "calibrated", c)]
@@ -131,7 +131,7 @@ def measure(args: argparse.Namespace) -> None:
         fp16_bits = fp16_bits or bits
         per_token = used / (values / (2 * held[0].layout[0] * held[0].layout[1] * held[0].layout[2]))
         print(f"{level:<7}{label:<15}{100 * np.mean(errs):>10.2f}%{100 * np.max(errs):>12.2f}%{bits:>12.3f}"
-              f"{(1 << 30) / per_token:>12,.0f}{fp16_bits / bits:>8.2f}x")
+              f"{(1 << 30) / per_token:>12,.0f}{fp16_bits / bits:>13.2f}x")
     if args.table:
         print("\n" + c.table())
 
