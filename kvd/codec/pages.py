@@ -46,6 +46,7 @@ from kvd.codec import kernels
 from kvd.errors import CorruptPage, InvalidArgument, NonFiniteError, UnsupportedVersion
 
 FORMAT_VERSION = 1
+HELD_VERSION = 2  # a page with held heads (docs/formats.md); every other page is written as version 1
 MAGIC = b"KVDP"
 HEADER_BYTES = 32
 # Group size per level, chosen on real KV (BENCHMARKS.md): q8 at 64 costs 8.25 bits per value, which is what lets
@@ -67,6 +68,9 @@ FLAG_ROTATED = 1
 _HEAD = struct.Struct("<4sBBBBHHIHHI")
 _SUM = struct.Struct("<Q")
 _ZEROS = bytes(8)
+# held-head block of a version 2 page, after the raw-head list: n_held, level code, axis, group, zero
+_HELD = struct.Struct("<HBBHH")
+_RUNG = {"fp16": 0, "q8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "q4": 2}
 assert _HEAD.size + _SUM.size == HEADER_BYTES
 
 
@@ -85,6 +89,8 @@ class PageHeader:
     raw_heads: tuple[int, ...]
     payload_bytes: int
     checksum: int
+    held_heads: tuple[int, ...] = ()
+    held_level: str | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -92,15 +98,15 @@ class PageHeader:
 
     @property
     def nbytes(self) -> int:
-        return _prefix_bytes(len(self.raw_heads)) + self.payload_bytes
+        return _prefix_bytes(len(self.raw_heads), len(self.held_heads)) + self.payload_bytes
 
 
 def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def _prefix_bytes(n_raw: int) -> int:
-    return HEADER_BYTES + _align(2 * n_raw)
+def _prefix_bytes(n_raw: int, n_held: int = 0) -> int:
+    return HEADER_BYTES + _align(2 * n_raw) + (_HELD.size + _align(2 * n_held) if n_held else 0)
 
 
 def _ng(n: int, group: int) -> int:
@@ -147,6 +153,20 @@ def _check_raw_heads(raw_heads: Sequence[int], h: int) -> tuple[int, ...]:
     return rh
 
 
+def _check_held(held_heads: Sequence[int], held_level: str | None, level: str, h: int,
+                rh: tuple[int, ...]) -> tuple[tuple[int, ...], str | None]:
+    hh = _check_raw_heads(held_heads, h)
+    if not hh:
+        return (), None
+    if held_level is None or _check_level(held_level) == "fp16" or _RUNG[held_level] >= _RUNG[level]:
+        raise InvalidArgument(
+            f"held heads need a held_level quantized and less compact than {level!r}, got {held_level!r}"
+        )
+    if set(hh) & set(rh):
+        raise InvalidArgument(f"heads {sorted(set(hh) & set(rh))} are both raw and held")
+    return hh, held_level
+
+
 # ---------------------------------------------------------------------------------------------------------
 # layouts: everything about a page that its header determines, computed and checked once per header
 
@@ -168,7 +188,9 @@ class _Layout:
     group: int
     shape: tuple[int, int, int]
     raw_heads: tuple[int, ...]
-    prefix: int  # header + raw-head list, padded
+    held: _Layout | None  # the held heads' matrix, as a page of their own whose sections are part of this one
+    held_heads: tuple[int, ...]
+    prefix: int  # header + raw-head list (+ held-head block), padded
     size: int  # the whole page
     matrix: tuple[int, int]  # the quantized heads as the kernel's 2-D matrix
     sections: tuple[_Section, ...]
@@ -182,17 +204,21 @@ class _Layout:
     def header(self, checksum: int) -> PageHeader:
         t, h, d = self.shape
         return PageHeader(
-            FORMAT_VERSION, self.level, self.axis, self.rotated, self.group, t, h, d, self.raw_heads,
-            self.size - self.prefix, checksum,
+            HELD_VERSION if self.held_heads else FORMAT_VERSION, self.level, self.axis, self.rotated, self.group,
+            t, h, d, self.raw_heads, self.size - self.prefix, checksum, self.held_heads,
+            self.held.level if self.held is not None else None,
         )  # fmt: skip
 
 
 def _build_layout(
-    level: str, axis: int, rotated: bool, group: int, t: int, h: int, d: int, rh: tuple[int, ...]
+    level: str, axis: int, rotated: bool, group: int, t: int, h: int, d: int, rh: tuple[int, ...],
+    held: tuple[tuple[int, ...], str, int, int] | None = None,
 ) -> _Layout:
+    """``held``: (held heads, their level, axis, group) of a version 2 page, or None."""
     n_raw = len(rh)
-    hq = h - n_raw
-    prefix = _prefix_bytes(n_raw)
+    hh = held[0] if held else ()
+    hq = h - n_raw - len(hh)
+    prefix = _prefix_bytes(n_raw, len(hh))
     specs: list[tuple[str, type, tuple[int, ...]]] = []
     if axis == AXIS_TOKEN:
         matrix, meta = (t * hq, d), (t * hq, _ng(d, group))
@@ -215,19 +241,30 @@ def _build_layout(
         n = math.prod(shape) * np.dtype(dt).itemsize
         sections.append(_Section(name, np.dtype(dt), shape, off, n))
         off += _align(n)
+    sub = None
+    if held:
+        hl, ha, hg = held[1:]
+        sub = _build_layout(hl, ha, False, hg, t, len(hh), d, ())
+        for x in sub.sections:  # the held matrix's sections follow, as in a page of their own
+            sections.append(_Section("held_" + x.name, x.dtype, x.shape, off + x.offset - sub.prefix, x.nbytes))
+        off += sub.size - sub.prefix
     if off - prefix > 0xFFFFFFFF:
         raise InvalidArgument(f"a page of {off - prefix} payload bytes exceeds the format's 4 GiB limit")
     flags = FLAG_ROTATED if rotated else 0
     head = bytearray(prefix)
-    _HEAD.pack_into(
-        head, 0, MAGIC, FORMAT_VERSION, _LEVEL_CODE[level], axis, flags, group, n_raw, t, h, d, off - prefix
-    )
+    version = HELD_VERSION if held else FORMAT_VERSION
+    _HEAD.pack_into(head, 0, MAGIC, version, _LEVEL_CODE[level], axis, flags, group, n_raw, t, h, d, off - prefix)
     struct.pack_into(f"<{n_raw}H", head, HEADER_BYTES, *rh)
+    if held:
+        at = _prefix_bytes(n_raw)
+        _HELD.pack_into(head, at, len(hh), _LEVEL_CODE[held[1]], held[2], held[3], 0)
+        struct.pack_into(f"<{len(hh)}H", head, at + _HELD.size, *hh)
     seed = xxhash.xxh3_64_intdigest(bytes(head[: _HEAD.size]) + bytes(head[HEADER_BYTES:]))
     gaps = tuple((x.offset + x.nbytes, x.offset + _align(x.nbytes)) for x in sections if x.nbytes % ALIGN_BYTES)
     return _Layout(
-        level, axis, rotated, group, (t, h, d), rh, prefix, off, matrix, tuple(sections), bytes(head), seed, gaps
-    )
+        level, axis, rotated, group, (t, h, d), rh, sub, hh, prefix, off, matrix, tuple(sections), bytes(head),
+        seed, gaps,
+    )  # fmt: skip
 
 
 _MAX_CACHED_LAYOUTS = 4096  # bounds memory against a peer sending pages of ever-new shapes
@@ -249,27 +286,34 @@ def _batch_spec(lay: _Layout) -> object:
     """The C codec's spec of a layout (kvd.codec.batch), or None (raw heads, or the batch path is off)."""
     spec = _BATCH_SPECS.get(lay.head)
     if spec is None and lay.head not in _BATCH_SPECS:
-        spec = page_batch.spec(_flat(lay)) if not lay.raw_heads else None
+        spec = page_batch.spec(_flat(lay)) if not lay.raw_heads and lay.held is None else None
         _remember(_BATCH_SPECS, lay.head, spec)  # type: ignore[arg-type]
     return spec
 
 
-def _encode_layout(level: str, role: str, t: int, h: int, d: int, raw_heads: Sequence[int]) -> _Layout:
-    key = (level, role, t, h, d, tuple(raw_heads))
+def _encode_layout(level: str, role: str, t: int, h: int, d: int, raw_heads: Sequence[int],
+                   held_heads: Sequence[int] = (), held_level: str | None = None) -> _Layout:
+    key = (level, role, t, h, d, tuple(raw_heads), tuple(held_heads), held_level)
     lay = _ENCODE_LAYOUTS.get(key)
     if lay is not None:
         return lay
     _check_dims(t, h, d)
     rh = _check_raw_heads(raw_heads, h)
     axis, rotated = scheme(level, role, d)
+    held = None
     if level == "fp16":
         rh = ()
-    return _remember(_ENCODE_LAYOUTS, key, _build_layout(level, axis, rotated, GROUPS[level], t, h, d, rh))
+    else:
+        hh, hl = _check_held(held_heads, held_level, level, h, rh)
+        if hl is not None:
+            held = (hh, hl, scheme(hl, role, d)[0], GROUPS[hl])
+    return _remember(_ENCODE_LAYOUTS, key, _build_layout(level, axis, rotated, GROUPS[level], t, h, d, rh, held))
 
 
-def nbytes(level: str, T: int, H: int, D: int, *, role: str, raw_heads: Sequence[int] = ()) -> int:  # noqa: N803
+def nbytes(level: str, T: int, H: int, D: int, *, role: str, raw_heads: Sequence[int] = (),  # noqa: N803
+           held_heads: Sequence[int] = (), held_level: str | None = None) -> int:
     """The exact size in bytes of a page of ``T`` tokens, ``H`` heads, ``D`` head_dim encoded at ``level``."""
-    return _encode_layout(level, role, T, H, D, raw_heads).size
+    return _encode_layout(level, role, T, H, D, raw_heads, held_heads, held_level).size
 
 
 def flat_layout(level: str, role: str, t: int, h: int, d: int) -> tuple[object, ...]:
@@ -336,27 +380,31 @@ def _bytes_view(buf: object) -> memoryview:
 # encode
 
 
-def encode(x: object, level: str, *, role: str, raw_heads: Sequence[int] = ()) -> bytes:
+def encode(x: object, level: str, *, role: str, raw_heads: Sequence[int] = (), held_heads: Sequence[int] = (),
+           held_level: str | None = None) -> bytes:
     """Encode ``x`` ``[T, H, D]`` at ``level`` (``"fp16"``, ``"q8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, ``"q4"``).
 
-    ``role`` is ``"key"`` or ``"value"`` (it selects the quantization axis). ``raw_heads`` are kept float16.
-    Raises InvalidArgument for a bad shape, dtype, level or role, NonFiniteError for NaN/Inf.
+    ``role`` is ``"key"`` or ``"value"`` (it selects the quantization axis). ``raw_heads`` are kept float16;
+    ``held_heads`` are encoded at ``held_level``, a quantized level less compact than ``level`` (a q4 page with
+    a few heads at q8: a version 2 page). Raises InvalidArgument for a bad shape, dtype, level, role or head
+    list, NonFiniteError for NaN/Inf.
     """
     a = _page_input(x)
     t, h, d = a.shape
-    buf = bytearray(_encode_layout(level, role, t, h, d, raw_heads).size)
-    encode_into(a, level, buf, role=role, raw_heads=raw_heads)
+    buf = bytearray(_encode_layout(level, role, t, h, d, raw_heads, held_heads, held_level).size)
+    encode_into(a, level, buf, role=role, raw_heads=raw_heads, held_heads=held_heads, held_level=held_level)
     return bytes(buf)
 
 
-def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Sequence[int] = ()) -> int:
+def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Sequence[int] = (),
+                held_heads: Sequence[int] = (), held_level: str | None = None) -> int:
     """Encode like :func:`encode` into the writable buffer ``out`` (at least :func:`nbytes` long).
 
     Returns the number of bytes written. Nothing useful is left in ``out`` if it raises.
     """
     a = _page_input(x)
     t, h, d = a.shape
-    lay = _encode_layout(level, role, t, h, d, raw_heads)
+    lay = _encode_layout(level, role, t, h, d, raw_heads, held_heads, held_level)
     mv = _bytes_view(out)
     if mv.readonly:
         raise InvalidArgument("out must be a writable buffer")
@@ -369,9 +417,14 @@ def encode_into(x: object, level: str, out: object, *, role: str, raw_heads: Seq
     else:
         if rh:
             kernels.f16_copy_rows(np.ascontiguousarray(a[:, list(rh), :]).reshape(t, len(rh) * d), v["rawheads"])
-        if len(rh) < h:
+        if lay.held is not None:
+            sub = lay.held
+            hv = {k[5:]: x for k, x in v.items() if k.startswith("held_")}
+            _encode_matrix(sub, np.ascontiguousarray(a[:, list(lay.held_heads), :]).reshape(sub.matrix), hv)
+        skip = rh + lay.held_heads
+        if len(skip) < h:
             # np.delete can return odd strides for a size-1 head_dim (not C-contiguous): the kernel needs rows
-            q = np.ascontiguousarray(np.delete(a, rh, axis=1)) if rh else a
+            q = np.ascontiguousarray(np.delete(a, skip, axis=1)) if skip else a
             _encode_matrix(lay, q.reshape(lay.matrix), v)
     for lo, hi in lay.gaps:  # a reused buffer must not carry old bytes into the page (or out to a client)
         mv[lo:hi] = _ZEROS[: hi - lo]
@@ -404,15 +457,23 @@ def _decode_layout(mv: memoryview) -> _Layout:
         raise CorruptPage(f"page of {len(mv)} bytes is shorter than its {HEADER_BYTES}-byte header")
     n_raw = mv[10] | (mv[11] << 8)
     prefix = _prefix_bytes(n_raw)
-    key = bytes(mv[: _HEAD.size]) if n_raw == 0 else bytes(mv[: _HEAD.size]) + bytes(mv[HEADER_BYTES:prefix])
+    n_held = 0
+    if mv[4] == HELD_VERSION and len(mv) >= prefix + _HELD.size:
+        n_held = mv[prefix] | (mv[prefix + 1] << 8)
+        prefix = _prefix_bytes(n_raw, n_held)
+    key = bytes(mv[: _HEAD.size])
+    if prefix > HEADER_BYTES:
+        key += bytes(mv[HEADER_BYTES:prefix])
     lay = _DECODE_LAYOUTS.get(key)
     if lay is not None:
         return lay
     magic, ver, lcode, axis, flags, group, n_raw, t, h, d, payload = _HEAD.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptPage(f"not a kvd page (magic {bytes(magic)!r})")
-    if ver != FORMAT_VERSION:
-        raise UnsupportedVersion(f"page format version {ver} is not supported (this kvd reads {FORMAT_VERSION})")
+    if ver not in (FORMAT_VERSION, HELD_VERSION):
+        raise UnsupportedVersion(
+            f"page format version {ver} is not supported (this kvd reads {FORMAT_VERSION} and {HELD_VERSION})"
+        )
     if lcode >= len(LEVELS):
         raise CorruptPage(f"unknown level code {lcode}")
     level = LEVELS[lcode]
@@ -432,10 +493,14 @@ def _decode_layout(mv: memoryview) -> _Layout:
     rh = struct.unpack_from(f"<{n_raw}H", mv, HEADER_BYTES)
     if list(rh) != sorted(set(rh)) or (rh and rh[-1] >= h):
         raise CorruptPage(f"inconsistent raw-head list {rh} for {h} heads")
-    if any(mv[HEADER_BYTES + 2 * n_raw : prefix]):
+    at = _prefix_bytes(n_raw)
+    if any(mv[HEADER_BYTES + 2 * n_raw : at]):
         raise CorruptPage("non-zero padding after the raw-head list")
+    held = None
+    if ver == HELD_VERSION:
+        held = _held_block(mv, at, level, h, tuple(rh))
     try:
-        lay = _build_layout(level, axis, rotated, group, t, h, d, tuple(rh))
+        lay = _build_layout(level, axis, rotated, group, t, h, d, tuple(rh), held)
     except InvalidArgument as e:
         raise CorruptPage(f"inconsistent page header: {e}") from None
     if payload != lay.size - prefix:
@@ -443,6 +508,27 @@ def _decode_layout(mv: memoryview) -> _Layout:
             f"payload length {payload} does not match the header's shape (expected {lay.size - prefix})"
         )
     return _remember(_DECODE_LAYOUTS, key, lay)
+
+
+def _held_block(mv: memoryview, at: int, level: str, h: int,
+                rh: tuple[int, ...]) -> tuple[tuple[int, ...], str, int, int]:
+    """The held-head block of a version 2 page at ``at``, checked."""
+    if len(mv) < at + _HELD.size:
+        raise CorruptPage("page truncated inside its held-head block")
+    n_held, lcode, axis, group, zero = _HELD.unpack_from(mv, at)
+    if len(mv) < _prefix_bytes(len(rh), n_held):
+        raise CorruptPage("page truncated inside its held-head list")
+    hh = struct.unpack_from(f"<{n_held}H", mv, at + _HELD.size)
+    hl = LEVELS[lcode] if lcode < len(LEVELS) else "?"
+    if (not n_held or zero or hl in ("?", "fp16") or _RUNG[hl] >= _RUNG.get(level, 0) or group < 1
+            or axis not in ({AXIS_TOKEN} if hl.startswith("fp8") else {AXIS_TOKEN, AXIS_CHANNEL})):
+        raise CorruptPage(f"inconsistent held-head block ({n_held} heads, level code {lcode}, axis {axis}, "
+                          f"group {group}) in a {level} page")
+    if list(hh) != sorted(set(hh)) or hh[-1] >= h or set(hh) & set(rh) or len(hh) + len(rh) > h:
+        raise CorruptPage(f"inconsistent held-head list {hh} (raw heads {rh}) for {h} heads")
+    if any(mv[at + _HELD.size + 2 * n_held : _prefix_bytes(len(rh), n_held)]):
+        raise CorruptPage("non-zero padding after the held-head list")
+    return tuple(hh), hl, axis, group
 
 
 def header(buf: object) -> PageHeader:
@@ -497,14 +583,21 @@ def _decode_checked(lay: _Layout, mv: memoryview, out: np.ndarray) -> None:
     if lay.level == "fp16":
         np.copyto(out.reshape(lay.matrix), v["raw"])
         return
-    if not rh:
+    skip = rh + lay.held_heads
+    if not skip:
         _decode_matrix(lay, v, out.reshape(lay.matrix))
         return
-    if len(rh) < h:
-        q = np.empty((t, h - len(rh), d), np.float16)
+    if len(skip) < h:
+        q = np.empty((t, h - len(skip), d), np.float16)
         _decode_matrix(lay, v, q.reshape(lay.matrix))
-        out[:, [i for i in range(h) if i not in set(rh)], :] = q
-    out[:, list(rh), :] = v["rawheads"].reshape(t, len(rh), d)
+        out[:, [i for i in range(h) if i not in set(skip)], :] = q
+    if rh:
+        out[:, list(rh), :] = v["rawheads"].reshape(t, len(rh), d)
+    if lay.held is not None:
+        sub = lay.held
+        q = np.empty(sub.shape, np.float16)
+        _decode_matrix(sub, {k[5:]: x for k, x in v.items() if k.startswith("held_")}, q.reshape(sub.matrix))
+        out[:, list(lay.held_heads), :] = q
 
 
 def _decode_matrix(lay: _Layout, v: dict[str, np.ndarray], m: np.ndarray) -> None:
@@ -522,7 +615,8 @@ def _decode_matrix(lay: _Layout, v: dict[str, np.ndarray], m: np.ndarray) -> Non
 
 
 __all__ = [
-    "AXIS_CHANNEL", "AXIS_NONE", "AXIS_TOKEN", "FORMAT_VERSION", "GROUPS", "HEADER_BYTES", "LEVELS", "ROLES",
+    "AXIS_CHANNEL", "AXIS_NONE", "AXIS_TOKEN", "FORMAT_VERSION", "GROUPS", "HEADER_BYTES", "HELD_VERSION",
+    "LEVELS", "ROLES",
     "PageHeader", "as_f16", "bf16_bits_to_f16", "decode", "decode_into", "encode", "encode_into", "flat_layout",
     "header", "nbytes", "scheme", "verify",
 ]  # fmt: skip

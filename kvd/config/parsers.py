@@ -177,6 +177,19 @@ def choice(*choices: str) -> Parser:
     return parse
 
 
+def boolean(name: str, value: object) -> bool:
+    """true or false; from the environment ``1``/``0``, ``true``/``false``, ``yes``/``no``, ``on``/``off``."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+    raise ConfigError(f"{name}: expected true or false, got {value!r}")
+
+
 def int_tuple(name: str, value: object) -> tuple[int, ...]:
     """A list of non-negative ints; from the environment a comma-separated string ("0,1,31")."""
     if isinstance(value, str):

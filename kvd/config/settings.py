@@ -43,6 +43,7 @@ from kvd.config.parsers import (
     KIB,
     MIB,
     Parser,
+    boolean,
     choice,
     format_size,
     identifier,
@@ -143,6 +144,13 @@ class StoreSettings:
     )
     raw_layers: tuple[int, ...] = _setting((), int_tuple, "layers never quantized, e.g. [0, 31]")
     raw_heads: tuple[int, ...] = _setting((), int_tuple, "KV heads never quantized")
+    require_calibration: bool = _setting(
+        False, boolean, "a namespace is compressed only with a calibration (kvd calibrate; kvd.store.calibrated)"
+    )
+    allow_raw_fallback: bool = _setting(
+        True, boolean, "with require_calibration: an uncalibrated namespace's pages stay fp16 (false: compressed "
+        "with the default protection, and it reports that it needs a calibration)"
+    )
     eviction: str = _setting(
         "lru", choice("lru", "none"), "when full at the most compact level: lru = evict least recently used "
         "sequences, none = refuse appends with OutOfMemory"
@@ -364,6 +372,8 @@ class Config:
             "raw_heads": s.raw_heads,
             "eviction": s.eviction,
             "eight_bit": s.eight_bit,
+            "require_calibration": s.require_calibration,
+            "allow_raw_fallback": s.allow_raw_fallback,
             "max_level": self.policy_config().max_level.tag,  # how far an append that does not fit may compress
         }
         for name in ("page_tokens", "window_tokens", "sink_tokens"):

@@ -32,6 +32,9 @@ leaves kvd; each generated token costs one ``attend`` round trip per layer (the 
     cache = KvdCache.resume(client, model.config, "chat-7", attend=True)
     more = model.generate(torch.cat([out, next_ids], -1), past_key_values=cache, max_new_tokens=32)
 
+**Calibration**: :func:`capture_sample` (from :mod:`kvd.integrations.capture`) records a model's queries, keys
+and values on a few texts, the sample :func:`kvd.calibration.calibrate` measures (``kvd calibrate``).
+
 With any other cache, ``"kvd"`` attention is plain causal attention over the local tokens. Batch size 1 (no
 padding masks); no soft-capping.
 
@@ -53,6 +56,7 @@ from transformers import AttentionInterface, DynamicCache
 from kvd.client import Client
 from kvd.errors import Conflict, InvalidArgument, UnknownNamespace, UnknownSequence
 from kvd.integrations import prefix
+from kvd.integrations.capture import capture_sample
 
 DEFAULT_BLOCK_TOKENS = 64  # one kvd page at the default page size
 ATTENTION = "kvd"  # the attn_implementation that attends over a cache's stored tokens in kvd
@@ -286,4 +290,4 @@ def _ids(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return [int(t) for t in token_ids]
 
 
-__all__ = ["ATTENTION", "KvdCache", "attention"]
+__all__ = ["ATTENTION", "KvdCache", "attention", "capture_sample"]

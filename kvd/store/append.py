@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -92,8 +93,8 @@ class AppendPlan:
 
     def at_level(self, store: Appending) -> None:
         """Decide the formats and the peak need at the store's level in force (again after a squeeze raised it)."""
-        ns, fmt = self.ns, store._fmt
-        self.fmt = fmt
+        ns = self.ns
+        fmt = self.fmt = ns.seal_fmt(store._fmt)
         self.recode = fmt != RAW and bool(ns.quant_layers)  # leaving the window means re-encoding at the level
         self.exit_flags = sp.FLAG_WINDOW | store._ahead_flag()
         self.row_plans = [store._row_plan(ns, r, self.out_rows, self.sink_rows)
@@ -106,7 +107,8 @@ class AppendPlan:
         # a row leaving the window is re-encoded: a new record, and the old one may go to the pool, which charges
         # PAGE_META_BYTES on top of its bytes (the page's own metadata moves with the new record)
         if self.recode:
-            need += len(self.exits) * len(ns.quant_layers) * (ns.rec_bytes[fmt] + sp.PAGE_META_BYTES)
+            q = ns.quant_layers
+            need += len(self.exits) * (ns.seal_bytes(fmt, q) + len(q) * sp.PAGE_META_BYTES)
         if self.grow_to:
             need += ns.token_bytes * self.grow_to + sp.TAIL_META_BYTES
         if self.new_tail:
@@ -146,6 +148,8 @@ class Appending:
     _ahead: Level | None
     _tokens: int
     _window_encodes: int
+    _cal_held_pages: int
+    _cal_raw_pages: int
     _admit: Callable[..., bool]
     _can_squeeze: Callable[[], bool]
     _squeeze: Callable[[int], bool]
@@ -271,7 +275,7 @@ class Appending:
             assert seq is not None
             for i in ns.quant_layers:
                 old = seq.pages[i][r]
-                kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
+                kp, vp = sp.decode_record(old, ns.record_sizes(old))
                 rec = self._seal(ns, plan.fmt, kp, vp, i, r, built.taken, plan.exit_flags)
                 built.swaps.append((i, r, rec))
 
@@ -294,13 +298,20 @@ class Appending:
                 page_list.append(rec)
             led.add_pages(row_plan.counts, ns.layers)
             seq.nbytes += row_plan.need
+            self._cal_held_pages += row_plan.held
         q = ns.quant_layers
+        if plan.fmt == RAW and self._fmt != RAW and q:  # the namespace's calibration keeps these rows fp16
+            rows = plan.exits + [r for r in range(plan.row, plan.new_rows) if plan.sink_rows <= r < plan.out_rows]
+            self._cal_raw_pages += len(rows) * len(q)
         for r in range(plan.window_done, plan.out_rows) if q else ():  # rows now out of the window, oldest first
             if r >= plan.sink_rows:
                 # rows out of the window are not yet compacted, so every quantized layer of one holds the same
-                # format (and so the same record size)
+                # format (and, unless a calibration protects some layers' heads, the same record size)
                 rec = seq.pages[q[0]][r]
-                ns.backlog[sp.current_fmt(rec)] += len(rec) * len(q)
+                if ns.mixed:
+                    ns.backlog[sp.current_fmt(rec)] += sum(len(seq.pages[i][r]) for i in q)
+                else:
+                    ns.backlog[sp.current_fmt(rec)] += len(rec) * len(q)
         for r in plan.logged:  # compaction candidates, oldest first
             self._log.add(seq, r)
         seq.nbytes += sp.ROW_META_BYTES * len(plan.logged)
@@ -343,7 +354,7 @@ class Appending:
             return ns.plan(RAW, 0, self._epoch)
         if row >= out_rows:
             return ns.plan(RAW, sp.FLAG_WINDOW, self._epoch)
-        return ns.plan(self._fmt, self._ahead_flag(), self._epoch)
+        return ns.plan(ns.seal_fmt(self._fmt), self._ahead_flag(), self._epoch)
 
     def _ahead_flag(self) -> int:
         return sp.FLAG_AHEAD_SEALED if self._ahead is not None and self._fmt != RAW else 0
@@ -353,10 +364,19 @@ class Appending:
         flags: int,
     ) -> bytearray:  # fmt: skip
         """A record of ``fmt`` (taken into ``taken``) holding pages ``kp`` / ``vp`` of ``layer``, row ``row``."""
-        rec = self._ledger.take_record(ns.rec_bytes[fmt], taken)
+        prot = ns.prot if ns.prot is not None and ns.prot.applies and fmt != RAW else None
+        if prot is None:
+            size, sizes = ns.rec_bytes[fmt], ns.page_bytes[fmt]
+            rh = () if fmt == RAW else ns.raw_heads
+            kw: tuple[dict[str, Any], dict[str, Any]] = ({"raw_heads": rh}, {"raw_heads": rh})
+        else:
+            kb, vb, size, kk, vk, held = prot.layer(layer, fmt)
+            sizes, kw = (kb, vb), (kk, vk)
+            self._cal_held_pages += held
+        rec = self._ledger.take_record(size, taken)
         p = self.page_tokens
         sp.encode_record(
-            rec, fmt, ns.page_bytes[fmt], kp, vp, raw_heads=ns.raw_heads, epoch=self._epoch, flags=flags,
+            rec, fmt, sizes, kp, vp, protect=kw, epoch=self._epoch, flags=flags,
             where=f"layer {layer}, tokens [{row * p}, {row * p + p})",
         )  # fmt: skip
         return rec

@@ -88,7 +88,7 @@ def attend_view(seq: Any, s: int, e: int, layer: int, p: int, q: np.ndarray, pos
                 continue
             r = stop  # this row goes the slow way below
         rec = recs[r]
-        kb, vb = sizes[rec[-off]]
+        kb, vb = sizes[rec[-off]] if not ns.mixed else ns.record_sizes(rec)
         mv = memoryview(rec)
         pages.decode_into(mv[:kb], kscr)
         pages.decode_into(mv[kb : kb + vb], vscr)

@@ -145,15 +145,16 @@ class Compaction:
 
     def _shrinks(self, ns: Namespace, fmt: str) -> bool:
         """Whether a page of ``fmt`` awaits re-encoding at the level in force (a higher rung, fewer bytes)."""
-        target = self._fmt
+        target = ns.seal_fmt(self._fmt)
         return sp.RUNG[fmt] < sp.RUNG[target] and ns.rec_bytes[target] < ns.rec_bytes[fmt]
 
     def _backlog_bytes(self) -> int:
         return sum(b for ns in self._ns.values() for fmt, b in ns.backlog.items() if b and self._shrinks(ns, fmt))
 
     def _recompress(self, seq: Seq, layer: int, row: int, old: bytearray) -> None:
-        ns, fmt = seq.ns, self._fmt
-        kp, vp = sp.decode_record(old, ns.page_bytes[sp.current_fmt(old)])
+        ns = seq.ns
+        fmt = ns.seal_fmt(self._fmt)
+        kp, vp = sp.decode_record(old, ns.record_sizes(old))
         taken = sp.Taken()
         try:
             rec = self._seal(ns, fmt, kp, vp, layer, row, taken, 0)

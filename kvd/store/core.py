@@ -101,6 +101,7 @@ from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.store.append import UNLOCKED_MIN_BYTES, Appending, InFlight
 from kvd.store.attend import Attending
+from kvd.store.calibrated import Calibrating
 from kvd.store.compact import Compaction
 from kvd.store.disk import DEFAULT_WRITE_BUFFER_BYTES, DiskTier
 from kvd.store.evict import Eviction
@@ -130,7 +131,7 @@ MAX_EPOCH = 2**63 - 1
 _fp16_bytes = store_seq.fp16_bytes
 
 
-class Store(Appending, Compaction, Eviction, Spilling, Attending):
+class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
     """One shard's paged, adaptively quantized KV memory. See the module docstring for the model.
 
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
@@ -143,7 +144,10 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending):
     that many bytes of files: full sequences spill there instead of being forgotten, and a store created on the
     same directory serves what it holds; :mod:`kvd.store.spill`), ``disk_fresh`` (remove what the directory
     holds instead), ``disk_write_buffer_bytes`` (spilled bytes waiting to be written, at most; outside
-    ``capacity_bytes``). Bad options raise :class:`~kvd.errors.ConfigError`. A store with a disk tier should be
+    ``capacity_bytes``), ``require_calibration`` (a namespace without a calibration is not compressed:
+    its pages stay fp16 while ``allow_raw_fallback``, else they are compressed as usual and the namespace
+    reports that it needs one; :mod:`kvd.store.calibrated`). Bad options raise
+    :class:`~kvd.errors.ConfigError`. A store with a disk tier should be
     ended with :meth:`close`.
     """
 
@@ -163,6 +167,8 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending):
         disk_bytes: int = 0,
         disk_fresh: bool = False,
         disk_write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES,
+        require_calibration: bool = False,
+        allow_raw_fallback: bool = True,
     ) -> None:
         self.capacity_bytes = int_arg("capacity_bytes", capacity_bytes, 1, None, ConfigError)
         self.page_tokens = int_arg("page_tokens", page_tokens, 1, 65535, ConfigError)
@@ -202,6 +208,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending):
         self._recompressed_pages = self._recompressed_bytes = self._window_encodes = 0
         self._squeezes = self._squeezed_bytes = self._aheads = 0
         self._spill_overflows = self._promotions = self._disk_hits = self._disk_misses = 0
+        self._init_calibrating(require_calibration, allow_raw_fallback)
         disk_bytes = int_arg("disk_bytes", disk_bytes, 0, None, ConfigError)
         self._disk: DiskTier | None = None
         if disk_bytes:
@@ -210,6 +217,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending):
             self._disk = DiskTier(disk_path, disk_bytes, fresh=disk_fresh, allow_evict=eviction == "lru",
                                   write_buffer_bytes=int_arg("disk_write_buffer_bytes", disk_write_buffer_bytes, 1,
                                                              None, ConfigError))
+            self._load_calibrations(self._disk.directory, disk_fresh)
             self._disk.recover(self._accept_spilled)
 
     # ------------------------------------------------------------------------------------------ levels
@@ -297,10 +305,11 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending):
                 raise LayoutMismatch(f"raw_layers {self.raw_layers} out of range for {layers} layers")
             if self.raw_heads and self.raw_heads[-1] >= heads:
                 raise LayoutMismatch(f"raw_heads {self.raw_heads} out of range for {heads} kv heads")
-            self._ns[namespace] = Namespace(
+            ns = self._ns[namespace] = Namespace(
                 namespace, layers, heads, dim,
                 raw_layers=self.raw_layers, raw_heads=self.raw_heads, page_tokens=self.page_tokens,
             )  # fmt: skip
+            ns.protect(self._protection(ns))
             charge = sp.namespace_meta_bytes(layers)
             self._ledger.meta_bytes += charge
             self._ns_meta += charge
@@ -639,5 +648,6 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending):
                 "promotions": self._promotions,
                 "disk_hits": self._disk_hits,
                 "disk_misses": self._disk_misses,
+                **self._calibration_stats(),
                 **(self._disk.stats() if self._disk is not None else {"disk_capacity_bytes": 0}),
             }

@@ -217,27 +217,29 @@ def encode_record(
     keys: np.ndarray,
     values: np.ndarray,
     *,
-    raw_heads: tuple[int, ...],
+    protect: tuple[dict[str, Any], dict[str, Any]],
     epoch: int,
     flags: int,
     where: str,
 ) -> None:
     """Encode one page of ``keys`` and ``values`` ``[P, H, D]`` at ``fmt`` into ``rec`` (``sizes`` = the two
-    pages' byte sizes) and start its history. NonFiniteError names ``where`` (the layer and tokens)."""
+    pages' byte sizes; ``protect`` = the key and value pages' arguments to :func:`kvd.pages.encode_into`: raw
+    and held heads) and start its history. NonFiniteError names ``where`` (the layer and tokens)."""
     kb, vb = sizes
     mv = memoryview(rec)
-    rh = () if fmt == "fp16" else raw_heads
-    for name, x, out in (("keys", keys, mv[:kb]), ("values", values, mv[kb : kb + vb])):
+    parts = (("keys", keys, mv[:kb], protect[0]), ("values", values, mv[kb : kb + vb], protect[1]))
+    for name, x, out, kw in parts:
         try:
-            pages.encode_into(x, fmt, out, role=name[:-1], raw_heads=rh)
+            pages.encode_into(x, fmt, out, role=name[:-1], **(kw if fmt != "fp16" else {}))
         except NonFiniteError as exc:
             raise NonFiniteError(f"{name} of {where}: {exc}") from None
     write_trailer(rec, sealed_epoch=epoch, sealed_fmt=fmt, flags=flags)
 
 
-RowLayers = tuple[tuple[str, int, int, int, tuple[int, ...], bytes], ...]
-# one row to seal: its records, per layer (format, record bytes, key page bytes, value page bytes, raw heads,
-# trailer) (kvd.store.sequences.RowPlan.layers), RowPlan.batch, the source arrays, the first source token, the row
+RowLayers = tuple[tuple[str, int, int, int, tuple[dict[str, Any], dict[str, Any]], bytes], ...]
+# one row to seal: its records, per layer (format, record bytes, key page bytes, value page bytes, the key and
+# value pages' encoder arguments (raw and held heads), trailer) (kvd.store.sequences.RowPlan.layers),
+# RowPlan.batch, the source arrays, the first source token, the row
 SealJob = tuple[list[bytearray], RowLayers, Any, np.ndarray, np.ndarray, int, int]
 
 
@@ -277,13 +279,13 @@ def seal_rows(jobs: list[SealJob], p: int, *, parallel: bool, first: int = 0) ->
         recs, layers, _, src_k, src_v, a, row = jobs[n]
         b = a + p
         for i in range(left[n], len(layers)):
-            fmt, size, kb, vb, rh, trailer = layers[i]
+            fmt, size, kb, vb, kw, trailer = layers[i]
             mv = memoryview(recs[i])
             name = "keys"
             try:
-                enc(src_k[i, a:b], fmt, mv[:kb], role="key", raw_heads=rh)
+                enc(src_k[i, a:b], fmt, mv[:kb], role="key", **kw[0])
                 name = "values"
-                enc(src_v[i, a:b], fmt, mv[kb : kb + vb], role="value", raw_heads=rh)
+                enc(src_v[i, a:b], fmt, mv[kb : kb + vb], role="value", **kw[1])
             except NonFiniteError as exc:  # name the value as the checks of unencoded tokens do
                 refuse_nonfinite((src_k if name == "keys" else src_v)[i : i + 1, a:b], name, row * p, i, first)
                 raise NonFiniteError(f"{name} of layer {i}, tokens [{row * p}, {row * p + p}): {exc}") from None

@@ -20,6 +20,7 @@ from kvd.codec import batch as page_batch
 from kvd.codec import pages
 from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch
 from kvd.store import pool as sp
+from kvd.store.calibrated import Protection, record_sizes
 
 RAW = "fp16"
 
@@ -109,18 +110,26 @@ class RowPlan:
     page bytes, raw heads, trailer)``; ``rec_bytes`` the records' total, ``need`` that plus their metadata
     charge, ``counts`` the ``(format, pages, bytes)`` totals for the ledger."""
 
-    __slots__ = ("layers", "rec_bytes", "need", "counts", "batch")
+    __slots__ = ("layers", "rec_bytes", "need", "counts", "batch", "held")
 
     def __init__(self, ns: Namespace, fmt: str, flags: int, epoch: int) -> None:
         layers = []
         counts: dict[str, list[int]] = {}
+        prot = ns.prot if ns.prot is not None and ns.prot.applies else None
+        self.held = 0  # pages whose heads the namespace's calibration protects
         for i in range(ns.layers):
             f = RAW if ns.raw_layer[i] else fmt
             fl = flags if not ns.raw_layer[i] else 0
-            kb, vb = ns.page_bytes[f]
-            size = ns.rec_bytes[f]
-            rh = () if f == RAW else ns.raw_heads
-            layers.append((f, size, kb, vb, rh, sp.trailer_bytes(sealed_epoch=epoch, sealed_fmt=f, flags=fl)))
+            if prot is None or f == RAW:
+                kb, vb = ns.page_bytes[f]
+                size = ns.rec_bytes[f]
+                rh = () if f == RAW else ns.raw_heads
+                kw: tuple[dict[str, Any], dict[str, Any]] = ({"raw_heads": rh}, {"raw_heads": rh})
+            else:
+                kb, vb, size, kk, vk, held = prot.layer(i, f)
+                kw = (kk, vk)
+                self.held += held
+            layers.append((f, size, kb, vb, kw, sp.trailer_bytes(sealed_epoch=epoch, sealed_fmt=f, flags=fl)))
             c = counts.setdefault(f, [0, 0])
             c[0] += 1
             c[1] += size
@@ -129,7 +138,7 @@ class RowPlan:
         self.need = self.rec_bytes + sp.PAGE_META_BYTES * ns.layers
         self.counts = tuple((f, n, nb) for f, (n, nb) in counts.items())
         # per layer (key spec, value spec, trailer) for kvd.codec.batch, or None when a layer has no C spec
-        specs = [ns.specs.get(f) for f, *_ in layers]
+        specs = [ns.specs.get(f) if prot is None or f == RAW else None for f, *_ in layers]
         ok = all(x is not None for x in specs)
         self.batch = tuple((*x, lay[5]) for x, lay in zip(specs, layers, strict=True)) if ok else None  # type: ignore[misc]
 
@@ -146,7 +155,7 @@ class Namespace:
     __slots__ = (
         "name", "layers", "heads", "head_dim", "page_tokens", "quant_layers", "raw_layer", "raw_heads",
         "page_bytes", "rec_bytes", "token_bytes", "row_bytes", "seq_meta", "sequences", "backlog", "_plans",
-        "sizes_by_code", "specs", "specs_by_code",
+        "sizes_by_code", "specs", "specs_by_code", "prot", "mixed",
     )  # fmt: skip
 
     def __init__(
@@ -192,6 +201,31 @@ class Namespace:
         # bytes of compaction-eligible records (unprotected, out of the window) by their current format
         self.backlog = dict.fromkeys(pages.LEVELS, 0)
         self._plans: dict[tuple[str, int, int], RowPlan] = {}
+        self.prot: Protection | None = None  # the calibration's effect (kvd.store.calibrated)
+        self.mixed = False  # records may differ in size within a format: sizes come from their page headers
+
+    def protect(self, prot: Protection | None) -> None:
+        """Attach a calibration state; once one has changed how pages are sealed, records are sized by their
+        headers for the namespace's life (pages sealed under an older protection stay readable)."""
+        self.prot = prot
+        self.mixed |= prot is not None and prot.applies
+        self._plans.clear()
+
+    def seal_fmt(self, fmt: str) -> str:
+        """The format a page is sealed at when the level in force asks for ``fmt``."""
+        return fmt if self.prot is None else self.prot.seal_fmt(fmt)
+
+    def record_sizes(self, rec: Any) -> tuple[int, int]:
+        """A record's key and value page sizes."""
+        if self.mixed:
+            return record_sizes(rec)
+        return self.page_bytes[sp.current_fmt(rec)]
+
+    def seal_bytes(self, fmt: str, layers: Sequence[int]) -> int:
+        """Record bytes of ``layers`` sealed at ``fmt`` (not raw layers)."""
+        if self.prot is None or not self.prot.applies or fmt == RAW:
+            return self.rec_bytes[fmt] * len(layers)
+        return sum(self.prot.layer(i, fmt)[2] for i in layers)
 
     def tail_shape(self, fill: int) -> tuple[int, int, int, int, int]:
         """The shape of a hot tail that holds ``fill`` tokens (its capacity: :func:`tail_tokens`)."""
@@ -231,7 +265,7 @@ class Seq:
     def record_pages(self, layer: int, row: int) -> tuple[memoryview, memoryview]:
         """The encoded key and value pages of a sealed record (views into it)."""
         rec = self.pages[layer][row]
-        kb, vb = self.ns.page_bytes[sp.current_fmt(rec)]
+        kb, vb = self.ns.record_sizes(rec)
         mv = memoryview(rec)
         return mv[:kb], mv[kb : kb + vb]
 
@@ -335,6 +369,7 @@ def _read_layers(
     """:func:`read_into` for the ``(output index, layer)`` pairs of ``part`` (reads only: safe on two threads)."""
     ns = seq.ns
     sizes, off = ns.sizes_by_code, sp.CUR_FMT_FROM_END
+    sized = ns.record_sizes if ns.mixed else None
     decode_into = pages.decode_into
     n_sealed = len(seq.pages[0])
     sealed_end = n_sealed * p
@@ -355,7 +390,7 @@ def _read_layers(
             if done[0] <= r < done[1]:
                 continue
             rec = recs[r]
-            kb, vb = sizes[rec[-off]]
+            kb, vb = sizes[rec[-off]] if sized is None else sized(rec)
             mv = memoryview(rec)
             a = r * p
             if full_lo <= r < full_hi:
@@ -456,6 +491,8 @@ def explain(seq: Seq, layer: object, token: object, p: int) -> dict[str, Any]:
     if r < sink_rows:
         reasons.append("sink")
     if not sealed:
+        if ns.prot is not None:
+            reasons += ns.prot.reasons(i, RAW, False)
         return info
     if r >= seq.window_done:
         reasons.append("window")
@@ -471,6 +508,8 @@ def explain(seq: Seq, layer: object, token: object, p: int) -> dict[str, Any]:
                 recompressed.append([sp.FMT_NAME[f_], e_])
     if ns.raw_heads and sp.FMT_NAME[cur] != RAW:
         reasons.append(f"raw heads {list(ns.raw_heads)} kept fp16")
+    if ns.prot is not None:
+        reasons += ns.prot.reasons(i, sp.FMT_NAME[cur], True)
     return info
 
 

@@ -93,6 +93,8 @@ class Spilling:
             self.register(h.namespace, num_layers=layers, num_kv_heads=heads, head_dim=dim)
         except LayoutMismatch as exc:
             return str(exc)
+        if h.sizes is not None:  # records sized by a calibration: read them by their page headers
+            self._ns[h.namespace].mixed = True
         return None
 
     # ------------------------------------------------------------------------------------------ spill
@@ -113,6 +115,7 @@ class Spilling:
             sink_rows=seq.sink_rows, window_done=seq.window_done, length=seq.length, rows=rows,
             fmts=bytes(rec[-off] for recs in records for rec in recs), tail_fill=fill,
             trailers=trailers_digest(rec for recs in records for rec in recs), serial=0,
+            sizes=tuple(len(rec) for recs in records for rec in recs) if ns.mixed else None,
         )  # fmt: skip
         why = self._disk.spill(header, records, tail, wait_s=wait_s)
         if why is None:

@@ -22,7 +22,8 @@ PACKAGE_DIR = Path(kvd.__file__).resolve().parent
 # The pure core: computation and state with no I/O framework (docs/design.md, "Layout").
 CORE_PREFIXES = ("kvd.codec", "kvd.store", "kvd.config")
 CORE_MODULES = {
-    "kvd", "kvd._native", "kvd.errors", "kvd.evaluate", "kvd.policy", "kvd.pages", "kvd.kernels", "kvd.protocol",
+    "kvd", "kvd._native", "kvd.errors", "kvd.evaluate", "kvd.calibration", "kvd.policy", "kvd.pages",
+    "kvd.kernels", "kvd.protocol",
     "kvd.wire", "kvd.wire.protocol", "kvd.wire.messages", "kvd.wire.schema", "kvd.wire.routing",
     "kvd.cluster", "kvd.cluster.membership",
 }

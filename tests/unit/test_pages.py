@@ -272,8 +272,8 @@ def test_truncated_extended_and_foreign_buffers_are_refused() -> None:
         with pytest.raises(CorruptPage):
             pages.decode(bad)
     future = bytearray(buf)
-    future[4] = pages.FORMAT_VERSION + 1
-    with pytest.raises(UnsupportedVersion, match=str(pages.FORMAT_VERSION + 1)):
+    future[4] = pages.HELD_VERSION + 1
+    with pytest.raises(UnsupportedVersion, match=str(pages.HELD_VERSION + 1)):
         pages.decode(bytes(future))
 
 

@@ -56,6 +56,7 @@ class SeqHeader:
     tail_fill: int
     trailers: int  # xxh3-64 of every record's trailer, in file order
     serial: int
+    sizes: tuple[int, ...] | None = None  # every record's bytes, when a calibration made them differ by layer
 
     def body_bytes(self) -> int:
         """Bytes after the header: records and tail pages."""
@@ -68,7 +69,10 @@ class SeqHeader:
 
 
 def record_sizes(h: SeqHeader) -> list[int]:
-    """The byte size of every record of ``h``, in file order, from the header's geometry alone."""
+    """The byte size of every record of ``h``, in file order: the header's ``sizes`` where it lists them, else
+    from its geometry alone."""
+    if h.sizes is not None:
+        return list(h.sizes)
     layers, heads, dim = h.layout
     sizes: dict[int, int] = {}
     out = []
@@ -101,6 +105,7 @@ def encode_header(h: SeqHeader) -> bytes:
         "raw_layers": list(h.raw_layers), "raw_heads": list(h.raw_heads), "seq_id": h.seq_id,
         "position": h.position, "sink_rows": h.sink_rows, "window_done": h.window_done, "length": h.length,
         "rows": h.rows, "fmts": h.fmts, "tail_fill": h.tail_fill, "trailers": h.trailers, "serial": h.serial,
+        **({"sizes": list(h.sizes)} if h.sizes is not None else {}),
     }, use_bin_type=True)  # fmt: skip
     return _PREFIX.pack(MAGIC, len(body), 0, xxhash.xxh3_64_intdigest(body)) + body
 
@@ -158,7 +163,11 @@ def parse_header(body: bytes, digest: int) -> SeqHeader:
         position=_int(m, "position"), sink_rows=_int(m, "sink_rows"), window_done=_int(m, "window_done"),
         length=_int(m, "length", 1), rows=_int(m, "rows"), fmts=fmts, tail_fill=_int(m, "tail_fill"),
         trailers=_int(m, "trailers"), serial=_int(m, "serial"),
+        sizes=_ints(m, "sizes") if "sizes" in m else None,
     )  # fmt: skip
+    if h.sizes is not None and (len(h.sizes) != len(fmts) or min(h.sizes, default=1 << 40) < 2 * pages.HEADER_BYTES
+                                + TRAILER_BYTES):
+        raise CorruptPage(f"spill file header of {h.seq_id!r}: record sizes do not fit its records")
     if len(fmts) != h.rows * h.layout[0] or h.length != h.rows * h.page_tokens + h.tail_fill \
             or h.tail_fill >= h.page_tokens:
         raise CorruptPage(f"spill file header of {h.seq_id!r}: rows, length and tail do not agree")

@@ -431,8 +431,9 @@ def _verified(h: fmt.SeqHeader, recs: list[bytearray], tail_bufs: list[bytearray
     for rec, code in zip(recs, h.fmts, strict=True) if verify_pages else ():
         f = pages.LEVELS[code]
         rh = () if f == "fp16" else h.raw_heads
-        kb = pages.nbytes(f, h.page_tokens, heads, dim, role="key", raw_heads=rh)
         mv = memoryview(rec)
+        kb = pages.nbytes(f, h.page_tokens, heads, dim, role="key", raw_heads=rh) if h.sizes is None \
+            else pages.header(mv).nbytes
         pages.verify(mv[:kb])
         pages.verify(mv[kb : len(rec) - fmt.TRAILER_BYTES])
     per_layer = [recs[i * h.rows : (i + 1) * h.rows] for i in range(layers)]

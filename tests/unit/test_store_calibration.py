@@ -1,0 +1,228 @@
+"""A store applying namespaces' calibrations (kvd.store.calibrated): per-head rungs in the pages it seals and
+re-encodes, levels a calibration turns off, require_calibration with and without raw fallback, quarantine of a
+calibration that does not fit, explain's reasons, the counters, and calibrations kept by the disk tier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvd import pages
+from kvd.calibration import Calibration, LevelPlan
+from kvd.store import Store
+
+NS = "m"
+L, H, D, P = 3, 4, 32, 16
+MiB = 1 << 20
+
+
+def kv(t: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((L, t, H, D)) * 2).astype(np.float16), rng.standard_normal((L, t, H, D)).astype(
+        np.float16)
+
+
+def plan(level: str, heads: list[tuple[list[str], list[str]]] | None, off: str = "") -> LevelPlan:
+    rows = None if heads is None else tuple((tuple(k), tuple(v)) for k, v in heads)
+    return LevelPlan(level, 0.05, rows, 0.04, 0.05, 5.5, off)
+
+
+# keys of head 1 of layer 0 at q8, values of head 2 of layer 0 fp16; layer 1 untouched; layer 2 all keys q8
+Q4 = [(["q4", "q8", "q4", "q4"], ["q4", "q4", "fp16", "q4"]),
+      (["q4"] * 4, ["q4"] * 4),
+      (["q8"] * 4, ["q4"] * 4)]
+EIGHT = [(["q8"] * 4, ["q8", "q8", "q8", "fp16"]), (["q8"] * 4, ["q8"] * 4), (["q8"] * 4, ["q8"] * 4)]
+
+
+def calibration(q4: list | None = Q4, eight: list | None = EIGHT, layout: tuple[int, int, int] = (L, H, D),
+                q4_off: str = "", eight_off: str = "") -> Calibration:
+    head = ((0.0, 0.01, 0.05), (0.0, 0.01, 0.05))
+    errors = tuple(tuple(head for _ in range(layout[1])) for _ in range(layout[0]))
+    plans = {"q4": plan("q4", q4, q4_off), "8bit": plan("8bit", eight, eight_off)}
+    return Calibration("test-model", layout, "float16", 256, P, 4, "q8", "0", errors, plans).sealed()
+
+
+def store(**opts) -> Store:
+    s = Store(64 * MiB, page_tokens=P, **opts)
+    s.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
+    return s
+
+
+def expected(x: np.ndarray, layer: int, role: str, fmt: str, protect: list | None) -> np.ndarray:
+    """x [T, H, D] of one layer as the store gives it back: the sink page raw, full pages at fmt with the
+    calibration's heads, the rest (hot tail) raw."""
+    out = x.copy()
+    for a in range(P, x.shape[0] - x.shape[0] % P, P):
+        kw = {}
+        if protect is not None:
+            row = protect[layer][0 if role == "key" else 1]
+            kw = {"raw_heads": [j for j, f in enumerate(row) if f == "fp16"],
+                  "held_heads": [j for j, f in enumerate(row) if f not in ("fp16", fmt)]}
+            kw["held_level"] = "q8" if kw["held_heads"] else None
+        out[a : a + P] = pages.decode(pages.encode(x[a : a + P], fmt, role=role, **kw))
+    return out
+
+
+def check_readback(s: Store, seq: int, k: np.ndarray, v: np.ndarray, fmt: str, protect: list | None) -> None:
+    gk, gv = s.get(NS, seq)
+    for i in range(L):
+        np.testing.assert_array_equal(gk[i].view(np.uint16),
+                                      expected(k[i], i, "key", fmt, protect).view(np.uint16))
+        np.testing.assert_array_equal(gv[i].view(np.uint16),
+                                      expected(v[i], i, "value", fmt, protect).view(np.uint16))
+
+
+@pytest.mark.parametrize("level,fmt,protect", [("q4", "q4", Q4), ("q8", "q8", EIGHT)])
+def test_a_calibrated_namespace_seals_the_heads_its_calibration_protects(level: str, fmt: str,
+                                                                        protect: list) -> None:
+    s = store()
+    state = s.calibrate(NS, calibration())
+    assert state["state"] == "active" and state["registered"]
+    s.set_level(level, 1)
+    k, v = kv(70)
+    s.append(NS, 1, k, v)
+    check_readback(s, 1, k, v, fmt, protect)
+    # the pages as stored (get(format="pages")): version 2 where heads are held, and they decode to the same
+    entries = s.get_pages(NS, 1)
+    by_layer = {}
+    for layer, t0, kp, vp in entries:
+        hk, hv = pages.header(kp), pages.header(vp)
+        by_layer.setdefault(layer, []).append((t0, hk, hv))
+        gk, gv = s.get(NS, 1, t0, min(t0 + P, 70), layers=[layer])
+        np.testing.assert_array_equal(pages.decode(kp).view(np.uint16), gk[0].view(np.uint16))
+        np.testing.assert_array_equal(pages.decode(vp).view(np.uint16), gv[0].view(np.uint16))
+    _, hk, hv = by_layer[0][1]  # layer 0, first page past the sink
+    if fmt == "q4":
+        assert (hk.version, hk.held_heads, hk.held_level, hk.raw_heads) == (2, (1,), "q8", ())
+        assert (hv.version, hv.held_heads, hv.raw_heads) == (1, (), (2,))
+        assert by_layer[1][1][1].version == 1 and by_layer[1][1][1].raw_heads == ()
+        assert by_layer[2][1][1].held_heads == (0, 1, 2, 3)
+    else:
+        assert (hk.raw_heads, hv.raw_heads) == ((), (3,))
+    assert s.stats()["calibration_held_pages"] > 0
+    reasons = s.explain(NS, 1, 0, 20)["reasons"]
+    assert any("active" in r for r in reasons)
+    assert any(("held at q8" if fmt == "q4" else "kept fp16 by the calibration") in r for r in reasons)
+
+
+def test_compaction_re_encodes_to_the_calibrated_q4_pages() -> None:
+    s = store()
+    s.calibrate(NS, calibration())
+    s.set_level("q8", 1)
+    k, v = kv(70, seed=3)
+    s.append(NS, 1, k, v)
+    s.set_level("q4", 2)
+    assert s.compact(1 << 30) > 0
+    gk, gv = s.get(NS, 1)
+    for i in range(L):
+        ek = expected(expected(k[i], i, "key", "q8", EIGHT), i, "key", "q4", Q4)
+        np.testing.assert_array_equal(gk[i].view(np.uint16), ek.view(np.uint16))
+    assert s.stats()["compaction_backlog_bytes"] == 0
+
+
+def test_a_level_the_calibration_turns_off_seals_one_rung_less_compact() -> None:
+    s = store()
+    s.calibrate(NS, calibration(q4=None, q4_off="no protection meets eps_O <= 1% at q4"))
+    s.set_level("q4", 1)
+    k, v = kv(40)
+    s.append(NS, 1, k, v)
+    assert {pages.header(kp).level for _, t0, kp, _ in s.get_pages(NS, 1) if 0 < t0 < 32} == {"q8"}
+    check_readback(s, 1, k, v, "q8", EIGHT)
+    assert s.stats()["compaction_backlog_bytes"] == 0  # q8 pages are not q4 backlog for this namespace
+    state = s.calibration_state(NS)
+    assert state["levels"]["q4"]["met"] is False and "at q4" in state["levels"]["q4"]["off"]
+
+
+def test_require_calibration_keeps_an_uncalibrated_namespace_raw_until_one_arrives() -> None:
+    s = store(require_calibration=True)
+    s.set_level("q4", 1)
+    k, v = kv(70)
+    s.append(NS, 1, k, v)
+    assert s.calibration_state(NS)["state"] == "missing"
+    assert {pages.header(e[2]).level for e in s.get_pages(NS, 1)} == {"fp16"}
+    np.testing.assert_array_equal(s.get(NS, 1)[0].view(np.uint16), k.view(np.uint16))
+    assert "calibration missing: pages kept fp16" in s.explain(NS, 1, 1, 40)["reasons"]
+    assert s.stats()["calibration_raw_pages"] == 3 * L  # rows 1..3 of every layer
+    assert not s.needs_calibration(NS)
+    s.calibrate(NS, calibration())
+    s.compact(1 << 30)
+    check_readback(s, 1, k, v, "q4", Q4)
+
+
+def test_require_calibration_without_fallback_compresses_and_says_it_needs_one() -> None:
+    s = store(require_calibration=True, allow_raw_fallback=False)
+    s.set_level("q4", 1)
+    k, v = kv(40)
+    s.append(NS, 1, k, v)
+    assert s.needs_calibration(NS)
+    assert s.calibration_state(NS)["state"] == "needed"
+    check_readback(s, 1, k, v, "q4", None)
+    assert any("needs calibration" in r for r in s.explain(NS, 1, 1, 20)["reasons"])
+
+
+def test_require_per_namespace_overrides_the_store() -> None:
+    s = store()
+    s.calibrate(NS, None, require=True)
+    s.set_level("q8", 1)
+    k, v = kv(40)
+    s.append(NS, 1, k, v)
+    assert {pages.header(e[2]).level for e in s.get_pages(NS, 1)} == {"fp16"}
+
+
+def test_a_calibration_of_another_layout_is_quarantined_never_applied() -> None:
+    s = store()
+    state = s.calibrate(NS, calibration(layout=(L, H, 2 * D)))
+    assert state["state"] == "quarantined" and "layout" in state["reason"]
+    assert state["digest"]
+    s.set_level("q4", 1)
+    k, v = kv(40)
+    s.append(NS, 1, k, v)
+    check_readback(s, 1, k, v, "q4", None)
+    assert any("quarantined" in r for r in s.explain(NS, 1, 1, 20)["reasons"])
+    r = store(require_calibration=True)  # quarantined and required: kept raw
+    r.calibrate(NS, calibration(layout=(L + 1, H, D)))
+    r.set_level("q4", 1)
+    r.append(NS, 1, k, v)
+    assert {pages.header(e[2]).level for e in r.get_pages(NS, 1)} == {"fp16"}
+
+
+def test_a_calibration_given_before_its_namespace_applies_at_registration() -> None:
+    s = Store(64 * MiB, page_tokens=P)
+    assert s.calibrate(NS, calibration().to_dict())["state"] == "pending"
+    s.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
+    assert s.calibration_state(NS)["state"] == "active"
+    assert s.calibrations() == {NS: s.calibration_state(NS)}
+
+
+def test_a_damaged_calibration_is_refused() -> None:
+    d = calibration().to_dict()
+    d["model"] = "other"
+    with pytest.raises(ValueError, match="digest"):
+        store().calibrate(NS, d)
+
+
+def test_calibrated_sequences_and_the_calibration_survive_a_restart_on_the_disk(tmp_path) -> None:
+    def make() -> Store:
+        return Store(64 * MiB, page_tokens=P, disk_path=str(tmp_path), disk_bytes=64 * MiB)
+
+    s = make()
+    s.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
+    s.calibrate(NS, calibration())
+    s.set_level("q4", 1)
+    data = {i: kv(50 + 10 * i, seed=i) for i in range(3)}
+    for i, (k, v) in data.items():
+        s.append(NS, i, k, v)
+    s.close()
+    s2 = make()
+    assert s2.calibration_state(NS)["state"] == "active"
+    assert s2.calibration_state(NS)["digest"] == calibration().digest
+    for i, (k, v) in data.items():
+        check_readback(s2, i, k, v, "q4", Q4)
+    s2.set_level("q4", 1)
+    k, v = kv(40, seed=9)
+    s2.append(NS, 9, k, v)
+    check_readback(s2, 9, k, v, "q4", Q4)
+    s2.close()
+    s3 = Store(64 * MiB, page_tokens=P, disk_path=str(tmp_path), disk_bytes=64 * MiB, disk_fresh=True)
+    assert s3.calibrations() == {}
+    s3.close()
