@@ -278,16 +278,3 @@ def test_example_config_in_cluster_dir_loads_and_describe_lists_every_setting() 
     for setting in SETTINGS.values():
         assert setting.env in text
 
-
-def test_require_calibration_reaches_the_store_from_toml_env_and_flags() -> None:
-    from kvd.store import Store
-
-    assert load_config(env={}).store_kwargs()["require_calibration"] is False
-    config = load_config(env={"KVD_STORE_REQUIRE_CALIBRATION": "1", "KVD_STORE_ALLOW_RAW_FALLBACK": "off"})
-    kwargs = config.store_kwargs()
-    assert kwargs["require_calibration"] is True and kwargs["allow_raw_fallback"] is False
-    store = Store(1 << 20, **kwargs)
-    store.register("m", num_layers=1, num_kv_heads=1, head_dim=8)
-    assert store.calibration_state("m")["state"] == "needed"
-    with pytest.raises(ConfigError, match="require_calibration: expected true or false"):
-        load_config(env={}, overrides={"store.require_calibration": "maybe"})

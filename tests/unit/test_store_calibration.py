@@ -226,3 +226,17 @@ def test_calibrated_sequences_and_the_calibration_survive_a_restart_on_the_disk(
     s3 = Store(64 * MiB, page_tokens=P, disk_path=str(tmp_path), disk_bytes=64 * MiB, disk_fresh=True)
     assert s3.calibrations() == {}
     s3.close()
+
+
+def test_require_calibration_reaches_the_store_from_toml_env_and_flags() -> None:
+    from kvd.config import ConfigError, load_config
+
+    assert load_config(env={}).store_kwargs()["require_calibration"] is False
+    config = load_config(env={"KVD_STORE_REQUIRE_CALIBRATION": "1", "KVD_STORE_ALLOW_RAW_FALLBACK": "off"})
+    kwargs = config.store_kwargs()
+    assert kwargs["require_calibration"] is True and kwargs["allow_raw_fallback"] is False
+    store = Store(1 << 20, **kwargs)
+    store.register("m", num_layers=1, num_kv_heads=1, head_dim=8)
+    assert store.calibration_state("m")["state"] == "needed"
+    with pytest.raises(ConfigError, match="require_calibration: expected true or false"):
+        load_config(env={}, overrides={"store.require_calibration": "maybe"})
