@@ -229,7 +229,8 @@ def test_calibrated_sequences_and_the_calibration_survive_a_restart_on_the_disk(
 
 
 def test_require_calibration_reaches_the_store_from_toml_env_and_flags() -> None:
-    from kvd.config import ConfigError, load_config
+    from kvd.config.settings import load_config
+    from kvd.errors import ConfigError
 
     assert load_config(env={}).store_kwargs()["require_calibration"] is False
     config = load_config(env={"KVD_STORE_REQUIRE_CALIBRATION": "1", "KVD_STORE_ALLOW_RAW_FALLBACK": "off"})
