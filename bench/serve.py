@@ -461,8 +461,8 @@ def replay(args: argparse.Namespace) -> None:
     """The store alone, at the same budget: the block chains the connector stores and looks up for each
     workload, replayed into a kvd.store.Store (SmolLM2-135M's KV layout, random values, the store's own
     compression under pressure up to q4), with vLLM's own cache of ``--engine-blocks`` blocks in front (LRU, as
-    vLLM's): store-hit tokens per prompt token, for LRU (no parents), prefix-aware (parents) and an unlimited
-    budget."""
+    vLLM's): store-hit tokens per prompt token, for LRU (``eviction_order="recency"``), the prefix-aware order and
+    an unlimited budget."""
     import numpy as np
 
     from kvd.integrations.prefix import block_keys, stored_prefix
@@ -478,9 +478,9 @@ def replay(args: argparse.Namespace) -> None:
         prompts = replay_prompts(args, workload, 7)
         hit: dict[str, int] = {}
         evictions: dict[str, int] = {}
-        for name, budget, chained in (("lru", args.budget, False), ("prefix", args.budget, True),
-                                      ("unlimited", 1 << 40, True)):
-            store = Store(budget)
+        for name, budget, order in (("lru", args.budget, "recency"), ("prefix", args.budget, "prefix"),
+                                    ("unlimited", 1 << 40, "prefix")):
+            store = Store(budget, eviction_order=order)
             store.register("ns", num_layers=layers, num_kv_heads=heads, head_dim=dim)
             local: dict[str, None] = {}  # vLLM's own cache, least recently used first
             hits = 0
@@ -495,8 +495,7 @@ def replay(args: argparse.Namespace) -> None:
                     store.get("ns", key)  # the load
                 hits += found * BLOCK
                 for i in range(mine + found, len(keys)):  # computed here, then saved
-                    store.append("ns", keys[i], kv, kv, position=i * BLOCK,
-                                 parent=keys[i - 1] if i and chained else None)
+                    store.append("ns", keys[i], kv, kv, position=i * BLOCK, parent=keys[i - 1] if i else None)
                 for key in keys:
                     local.pop(key, None)
                     local[key] = None
@@ -623,10 +622,10 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rate", type=float, default=0.5, help="requests/s of the paced mode")
-    ap.add_argument("--users", type=int, default=4)
+    ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-words", type=int, default=300)
-    ap.add_argument("--question-words", type=int, default=40)
+    ap.add_argument("--question-words", type=int, default=100)
     ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--replay", action="store_true",
                     help="only replay the workloads' block chains into a store: hit rates by eviction order")

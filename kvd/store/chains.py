@@ -24,9 +24,9 @@ position 0) are ordered by recency alone, as LRU; ``by_prefix=False`` orders eve
 ``eviction_order="recency"``).
 
 Replaying the prefix workload of bench/serve.py into a 64 MiB store (bench/serve.py --replay): LRU served 18.3%
-of prompt tokens from the store, tiers and recency without depth 19.6%, with depth 25.0%, what an unlimited
-budget serves (BENCHMARKS.md, "Serving"): under LRU each prompt's unique last block pushes out older prompts'
-shared prefixes; ranked by depth, the unique blocks go first.
+of prompt tokens from the store, this order 25.0%, what an unlimited budget serves (BENCHMARKS.md, "Serving"):
+under LRU each prompt's unique last block pushes out older prompts' shared prefixes; ranked by depth, the
+unique blocks go first.
 
 Each sequence has one current heap entry ``(tier, -depth, tick, key)`` (``tick``: a use counter at its last
 use); a use or a tier change pushes a new one and leaves the old one stale, skipped when it surfaces, and the
