@@ -319,7 +319,7 @@ class Engine:
         self.log = workdir / "vllm.log"
         cmd = [str(py), "-m", "kvd.integrations.vllm_cli", "serve", str(MODEL_DIR), "--served-model-name",
                "smollm2",
-               "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "4096",
+               "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--max-model-len", "2048",
                "--num-gpu-blocks-override", str(args.engine_blocks), "--enable-prefix-caching", "--seed", "0",
                "--host", "127.0.0.1", "--port", str(self.port), "--shutdown-timeout", "10"]
         if kv_config is not None:
