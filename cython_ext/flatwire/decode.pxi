@@ -320,4 +320,5 @@ def fast_request(frames, limits):
     _set(req, "position", position if has_position else None)
     _set(req, "incarnation", PyUnicode_DecodeASCII(<const char*>inc, inc_len, NULL) if inc != NULL else None)
     _set(req, "packed", n == 2)
+    _set(req, "parent", None)  # (a request with a parent takes the generic decoder)
     return req

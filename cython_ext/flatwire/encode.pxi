@@ -30,7 +30,7 @@ def encode_request(req, limits):
     if cls is not _AppendRequest:
         return None
     keys, values, position, incarnation, packed = req.keys, req.values, req.position, req.incarnation, req.packed
-    if packed is not False and packed is not True:
+    if (packed is not False and packed is not True) or req.parent is not None:  # a parent: the generic encoder
         return None
     if not w_envelope(&w, 8 + (position is not None) + (incarnation is not None) + packed, req.request_id,
                       b"append") or not w_sequence(&w, req):

@@ -142,10 +142,12 @@ class AsyncClient(_Core):
 
     async def append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, *,
                      offset: int | None = None, dtype: str | None = None, position: int | None = None,
+                     parent: p.SeqId | None = None,
                      timeout_s: float | None = None) -> int:
         """See :meth:`Client.append`."""
         return await self._drive(
-            self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s, position))
+            self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s, position,
+                              parent=self._parent_here(namespace, seq_id, parent)))
 
     async def get(self, namespace: str, seq_id: p.SeqId, start: int = 0, end: int | None = None,
                   layers: Sequence[int] | None = None, *, format: str = "fp16",  # noqa: A002

@@ -72,6 +72,7 @@ class _Conn:
     """One DEALER to one server, with the replies received for requests still waited for."""
 
     __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "positions",
+                 "parents",
                  "packs_tensors", "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation", "attends")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
@@ -83,6 +84,7 @@ class _Conn:
         self.lookups = False  # the server answers lengths (protocol 1.2)
         self.attends = False  # the server answers attend (protocol 1.5)
         self.positions = False  # the server takes append's position field (protocol 1.3)
+        self.parents = False  # the server takes append's parent field (protocol 1.6)
         self.packs_tensors = False  # the server takes and sends keys and values in one frame (protocol 1.4)
         self.incarnation: str | None = None  # the shard process this connection talks to (protocol 1.3)
         self.waiting: dict[int, Any] = {}  # id -> None (sync: reply not yet in) or a Future (async)
@@ -160,5 +162,6 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
     conn.lookups = reply.protocol_minor >= 2  # the lengths operation
     conn.attends = reply.protocol_minor >= 5  # the attend operation
     conn.positions = reply.protocol_minor >= 3  # append's position
+    conn.parents = reply.protocol_minor >= 6  # append's parent
     conn.packs_tensors = reply.protocol_minor >= 4  # packed fp16 tensors (append, fp16 get reply)
     conn.incarnation = reply.incarnation  # protocol 1.3: appends on this connection name this process

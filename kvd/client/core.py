@@ -389,9 +389,17 @@ class _Core:
         if errors:
             raise errors[0]
 
+    def _parent_here(self, namespace: str, seq_id: p.SeqId, parent: p.SeqId | None) -> p.SeqId | None:
+        """``parent`` if it lives on ``seq_id``'s shard, else None: a shard knows only the chains it holds
+        whole (kvd.store.chains)."""
+        if parent is None:
+            return None
+        same = self._topo.owner(namespace, parent)["id"] == self._topo.owner(namespace, seq_id)["id"]
+        return parent if same else None
+
     def _plan_append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, offset: int | None,
                      dtype: str | None, timeout_s: float | None, position: int | None = None,
-                     first: First | None = None) -> Plan:
+                     first: First | None = None, parent: p.SeqId | None = None) -> Plan:
         if first is not None:  # a fast path's attempt: a whole append in one message
             return (yield from self._g_routed(None, namespace, seq_id, timeout_s, first))
         owner = self._topo.owner(namespace, seq_id)
@@ -401,7 +409,7 @@ class _Core:
         for i, (k, v) in enumerate(chunks):
             def make(rid: int, k: Any = k, v: Any = v, off: int | None = length) -> p.AppendRequest:
                 return p.AppendRequest(request_id=rid, namespace=namespace, seq_id=seq_id, keys=k, values=v,
-                                       offset=off, dtype=dtype, position=position)
+                                       offset=off, dtype=dtype, position=position, parent=parent)
             try:
                 length = yield from self._g_routed(make, namespace, seq_id, timeout_s)
             except KvdError as exc:

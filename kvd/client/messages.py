@@ -140,7 +140,8 @@ def _on_wire(conn: _Conn, req: Any) -> Any:
     within the frame limit) goes packed to a 1.4 server (§6.4), and names the shard incarnation the connection's
     hello found (protocol 1.3), so a successor on the same port refuses it. The caller's result is the same. An
     append's ``position`` is left out for a server older than 1.3: it only spares pages the sink protection, so
-    such a server stores the tokens the same, at most with one more fp16 page."""
+    such a server stores the tokens the same, at most with one more fp16 page; its ``parent`` for a server older
+    than 1.6, which stores the tokens the same and evicts by recency alone."""
     kind = type(req)
     if kind is p.GetRequest:
         if req.packed != (conn.packs if req.format == "pages" else conn.packs_tensors):
@@ -151,6 +152,8 @@ def _on_wire(conn: _Conn, req: Any) -> Any:
     changes: dict[str, Any] = {}
     if not conn.positions and req.position is not None:
         changes["position"] = None
+    if not conn.parents and req.parent is not None:
+        changes["parent"] = None
     if conn.incarnation is not None and req.incarnation is None:
         changes["incarnation"] = conn.incarnation
     if conn.packs_tensors and not req.packed:

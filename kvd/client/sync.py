@@ -260,24 +260,31 @@ class Client(_Core):
         self._drive(self._plan_register(namespace, (num_layers, num_kv_heads, head_dim), timeout_s))
 
     def append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, *, offset: int | None = None,
-               dtype: str | None = None, position: int | None = None, timeout_s: float | None = None) -> int:
+               dtype: str | None = None, position: int | None = None, parent: p.SeqId | None = None,
+               timeout_s: float | None = None) -> int:
         """Append ``keys``/``values`` ``[L, T, H, D]`` (float16, float32 or bfloat16; ``dtype="bfloat16"`` for
         16-bit integer arrays holding bfloat16 bits); returns the new length. ``offset``: store only if the
         sequence's length equals it (else :class:`~kvd.errors.Conflict`). Never retried after a failure. An
         append larger than the shard's frame limit goes as several appends along T; if one of them fails, the
         tokens before it stay stored (the error says how many). ``position``: where the sequence's token 0 sits
         in its prompt (default 0; see :meth:`kvd.store.Store.append`): a prompt stored as one sequence per block
-        passes each block's first token index, so only the prompt's first block keeps the sink page."""
+        passes each block's first token index, so only the prompt's first block keeps the sink page.
+        ``parent``: the sequence a new one follows in a chain that lookups walk in order (the previous block of
+        such a prompt): a full shard then gives up what no lookup can reach first, then chain tails
+        (:mod:`kvd.store.chains`). Sent only when both live on the same shard, and to a server of protocol 1.6
+        or later."""
+        parent = self._parent_here(namespace, seq_id, parent)
         first = None
         if type(keys) is np.ndarray:  # other array types: the plan views them (and splits them) once
             first = self._first(p.AppendRequest(request_id=next(self._ids), namespace=namespace, seq_id=seq_id,
                                                 keys=keys, values=values, offset=offset, dtype=dtype,
-                                                position=position), namespace, seq_id, timeout_s, keys.nbytes or 1)
+                                                position=position, parent=parent), namespace, seq_id, timeout_s,
+                                keys.nbytes or 1)
             if first is not None and type(first.outcome) is p.AppendReply:
                 self._remember(first.req, first.conn)
                 return first.outcome.length
         return self._drive(
-            self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s, position, first))
+            self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s, position, first, parent))
 
     def get(self, namespace: str, seq_id: p.SeqId, start: int = 0, end: int | None = None,
             layers: Sequence[int] | None = None, *, format: str = "fp16",  # noqa: A002 - the protocol's name
@@ -363,12 +370,13 @@ class Client(_Core):
 
     def append_nowait(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, *,
                       offset: int | None = None, dtype: str | None = None, position: int | None = None,
-                      timeout_s: float | None = None) -> Pending:
+                      parent: p.SeqId | None = None, timeout_s: float | None = None) -> Pending:
         """Send an append and return at once; :meth:`Pending.result` gives the new length. No retries: a Busy
         reply raises :class:`~kvd.errors.Busy`; set ``offset`` when pipelining appends to one sequence. Do not
         modify the arrays before the Pending completed (they are sent from their own memory)."""
         req = p.AppendRequest(request_id=next(self._ids), namespace=namespace, seq_id=seq_id, keys=keys,
-                              values=values, offset=offset, dtype=dtype, position=position)
+                              values=values, offset=offset, dtype=dtype, position=position,
+                              parent=self._parent_here(namespace, seq_id, parent))
         return self._submit(req, namespace, seq_id, timeout_s)
 
     def get_nowait(self, namespace: str, seq_id: p.SeqId, start: int = 0, end: int | None = None,

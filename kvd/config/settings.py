@@ -155,6 +155,11 @@ class StoreSettings:
         "lru", choice("lru", "none"), "when full at the most compact level: lru = evict least recently used "
         "sequences, none = refuse appends with OutOfMemory"
     )
+    eviction_order: str = _setting(
+        "prefix", choice("prefix", "recency"), "which sequences go first: prefix = what no lookup can reach, then "
+        "chain tails, deepest in their prompt first, then least recently used (kvd.store.chains); recency = "
+        "least recently used alone"
+    )
     eight_bit: str = _setting(
         "q8", choice("q8", "fp8_e4m3", "fp8_e5m2"), "the 8-bit rung: q8 (int8, most accurate), fp8_e4m3, fp8_e5m2"
     )
@@ -371,6 +376,7 @@ class Config:
             "raw_layers": s.raw_layers,
             "raw_heads": s.raw_heads,
             "eviction": s.eviction,
+            "eviction_order": s.eviction_order,
             "eight_bit": s.eight_bit,
             "require_calibration": s.require_calibration,
             "allow_raw_fallback": s.allow_raw_fallback,

@@ -20,6 +20,9 @@ Options in ``kv_connector_extra_config`` (all but the endpoint optional):
 - ``kvd_save_buffer_mb`` (256): bound of the KV copied out of the engine and not yet in kvd; saves beyond it
   are dropped and counted (a dropped save is only a later miss).
 - ``kvd_model_id``: what identifies the model in keys (default: vLLM's model path and revision).
+- ``kvd_parents`` (true): each block names the previous one as its parent (protocol 1.6), so a full kvd gives
+  up blocks no lookup can reach first, then chain tails (kvd.store.chains); false leaves kvd's order to
+  recency alone (what bench/serve.py compares against).
 
 How it works. The prompt is cut into full blocks of vLLM's block size; block i is one kvd sequence of
 ``block_size`` tokens, under a chained hash of the prompt's token ids up to block i seeded with the request's
@@ -86,7 +89,7 @@ log = logging.getLogger(__name__)
 
 Block = tuple[int, str]  # (engine block id, kvd sequence id)
 _LOAD_WINDOW = 4  # block fetches in flight during a load
-SaveBlock = tuple[int, str, int]  # (engine block id, kvd sequence id, the block's first token in the prompt)
+SaveBlock = tuple[int, str, int, str | None]  # (engine block id, kvd sequence id, its first token, previous block)
 
 
 @dataclass
@@ -118,6 +121,7 @@ class _Settings:
     async_saves: bool
     save_buffer_bytes: int
     model_id: str
+    parents: bool
 
 
 def _settings(vllm_config: VllmConfig) -> _Settings:
@@ -134,9 +138,14 @@ def _settings(vllm_config: VllmConfig) -> _Settings:
     return _Settings(
         endpoint=str(endpoint), timeout_s=float(get("kvd_timeout_s", 2.0)),
         retry_after_s=float(get("kvd_retry_after_s", 5.0)), fmt=fmt,
-        async_saves=str(get("kvd_async_saves", True)).lower() not in ("false", "0", "no"),
+        async_saves=_flag(get("kvd_async_saves", True)),
         save_buffer_bytes=int(float(get("kvd_save_buffer_mb", 256)) * (1 << 20)), model_id=model_id,
+        parents=_flag(get("kvd_parents", True)),
     )  # fmt: skip
+
+
+def _flag(value: object) -> bool:
+    return str(value).lower() not in ("false", "0", "no")
 
 
 def _expected_isa(dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: str) -> tuple[str, str]:
@@ -183,6 +192,10 @@ class KvdConnector(KVConnectorBase_V1):
         self._io: BlockIO | None = None
         self._load_errors: set[int] = set()
         self._saver: _Saver | None = None
+        # vLLM stopped by SIGTERM gives its engine process `shutdown_timeout` seconds (5 s when 0) before it kills
+        # it: queued saves are flushed for that long less a second, so the shutdown ends before the kill.
+        grace = float(getattr(vllm_config, "shutdown_timeout", 0) or 5.0)
+        self._flush_s = max(0.5, grace - 1.0)
         log.info("KvdConnector (%s): namespace %s at %s", role.name, self.namespace, self._cfg.endpoint)
 
     # ------------------------------------------------------------------------------------------ scheduler
@@ -263,7 +276,9 @@ class KvdConnector(KVConnectorBase_V1):
     def _plan_saves(self, req_id: str, st: _Req, meta: KvdConnectorMetadata) -> None:
         full = min(len(st.keys), st.computed // self._bs, len(st.block_ids))
         if full > st.stored:
-            blocks = [(st.block_ids[i], st.keys[i], i * self._bs) for i in range(st.stored, full)]
+            chained = self._cfg.parents
+            blocks = [(st.block_ids[i], st.keys[i], i * self._bs, st.keys[i - 1] if i and chained else None)
+                      for i in range(st.stored, full)]
             meta.saves.append((req_id, blocks))
             st.stored = full
             st.saving = True
@@ -379,7 +394,7 @@ class KvdConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._saver is not None:
-            self._saver.stop(timeout_s=max(5.0, 4 * self._cfg.timeout_s))
+            self._saver.stop(timeout_s=self._flush_s)
         self._link.close()
         log.info("KvdConnector (%s) counters: %s", self.role.name, self.counters)
 
@@ -396,7 +411,7 @@ class _Saver:
 
     def __init__(self, link: KvdLink, namespace: str, budget: int, counters: dict[str, int]) -> None:
         self._link, self._ns, self._budget, self._counters = link, namespace, budget, counters
-        self._q: queue.Queue[tuple[str, str, int, np.ndarray, np.ndarray] | None] = queue.Queue()
+        self._q: queue.Queue[tuple[str, str, int, str | None, np.ndarray, np.ndarray] | None] = queue.Queue()
         self._lock = threading.Lock()
         self._bytes = 0
         self._pending: dict[str, int] = {}  # request -> jobs not yet done
@@ -425,18 +440,19 @@ class _Saver:
                         len(blocks) - len(take))
         if not take:
             return
-        k, v = io.read([b for b, _, _ in take])  # copy out now: the engine may reuse the blocks after this step
+        k, v = io.read([b for b, _, _, _ in take])  # copy out now: the engine may reuse the blocks after this step
         with self._lock:
             self._bytes += block_bytes * len(take)
             self._pending[req_id] = self._pending.get(req_id, 0) + len(take)
-        for i, (_, key, position) in enumerate(take):
-            self._q.put((req_id, key, position, k[i], v[i]))
+        for i, (_, key, position, parent) in enumerate(take):
+            self._q.put((req_id, key, position, parent, k[i], v[i]))
 
-    def _save(self, job: tuple[str, str, int, np.ndarray, np.ndarray]) -> None:
-        req_id, key, position, k, v = job
+    def _save(self, job: tuple[str, str, int, str | None, np.ndarray, np.ndarray]) -> None:
+        req_id, key, position, parent, k, v = job
         try:
-            # position: only the prompt's first block holds the attention sinks that kvd keeps at fp16
-            self._link.call(lambda c: c.append(self._ns, key, k, v, offset=0, position=position))
+            # position: only the prompt's first block holds the attention sinks that kvd keeps at fp16;
+            # parent: the block a lookup must find before this one (kvd evicts what it cannot reach first)
+            self._link.call(lambda c: c.append(self._ns, key, k, v, offset=0, position=position, parent=parent))
             self._counters["saved_blocks"] += 1
         except Conflict:
             self._counters["save_existing_blocks"] += 1  # another request or engine stored it first

@@ -35,11 +35,13 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   *ahead* of the ordered level; :mod:`kvd.store.compact`).
   Only if that is not enough it refuses with :class:`~kvd.errors.OutOfMemory` when no room can be made
   (``eviction="none"`` and the pool emptied is not enough, or the sequence alone cannot fit); otherwise it
-  builds its pages first, then empties the pool and evicts least-recently-used whole sequences (never the
-  sequence being appended to) until they fit, then commits (:mod:`kvd.store.evict`). The check counts the
-  peak (new buffers are allocated before the ones they replace are freed), so ``used_bytes`` never exceeds
-  ``capacity_bytes``; while an evicting append runs, the process holds that append's new pages beyond the
-  capacity (as a Redis command may exceed ``maxmemory`` by its own size), the price of not reading the tokens
+  builds its pages first, then empties the pool and evicts whole sequences (never the sequence being appended
+  to) until they fit, those no lookup can reach first, then chain tails, the deepest in their prompt first,
+  each least recently used first (:mod:`kvd.store.chains`: plain LRU for sequences outside chains), then
+  commits (:mod:`kvd.store.evict`). The check counts the peak (new buffers are allocated before the ones they
+  replace are freed), so ``used_bytes`` never exceeds ``capacity_bytes``; while an evicting append runs, the
+  process holds that append's new pages beyond the capacity (as a Redis command may exceed ``maxmemory`` by its
+  own size), the price of not reading the tokens
   once more to refuse NaN/Inf first.
 * **All or nothing.** An append validates shapes and dtypes, then builds every new buffer (pages it seals, pages
   leaving the window, a new or grown tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
@@ -102,6 +104,7 @@ from kvd.store import sequences as store_seq
 from kvd.store.append import UNLOCKED_MIN_BYTES, Appending, InFlight
 from kvd.store.attend import Attending
 from kvd.store.calibrated import Calibrating
+from kvd.store.chains import Chains
 from kvd.store.compact import Compaction
 from kvd.store.disk import DEFAULT_WRITE_BUFFER_BYTES, DiskTier
 from kvd.store.evict import Eviction
@@ -137,7 +140,10 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
     ``page_tokens`` (P, default 64), ``window_tokens`` (default 0), ``sink_tokens`` (default 4),
     ``raw_layers`` / ``raw_heads`` (indices kept fp16 in every namespace; registering a layout they do not
-    fit is refused), ``eviction`` (``"lru"`` or ``"none"``), ``eight_bit`` (the 8-bit rung's page format:
+    fit is refused), ``eviction`` (``"lru"`` or ``"none"``), ``eviction_order`` (``"prefix"``: what no lookup
+    can reach first, then chain tails, the deepest in their prompt first, then least recently used, by the
+    ``parent`` and ``position`` appends give, :mod:`kvd.store.chains`; ``"recency"``: least recently used alone),
+    ``eight_bit`` (the 8-bit rung's page format:
     ``"q8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``), ``max_level`` (the most compact level an append that does not
     fit may compress to before it evicts or is refused: the policy's ``max_level``, default q4; fp16 turns
     compression under pressure off), ``disk_path`` and ``disk_bytes`` (a disk tier in that directory, at most
@@ -161,6 +167,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
         raw_layers: Iterable[int] = (),
         raw_heads: Iterable[int] = (),
         eviction: str = "lru",
+        eviction_order: str = "prefix",
         eight_bit: str = "q8",
         max_level: Level | str = Level.Q4,
         disk_path: str | None = None,
@@ -178,6 +185,8 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
         self.raw_heads = int_tuple("raw_heads", raw_heads)
         if eviction not in ("lru", "none"):
             raise ConfigError(f"eviction must be 'lru' or 'none', got {eviction!r}")
+        if eviction_order not in ("prefix", "recency"):
+            raise ConfigError(f"eviction_order must be 'prefix' or 'recency', got {eviction_order!r}")
         if eight_bit not in EIGHT_BIT_FORMATS:
             raise ConfigError(f"eight_bit must be one of {EIGHT_BIT_FORMATS}, got {eight_bit!r}")
         self.eviction = eviction
@@ -193,6 +202,8 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
         self._readers = 0  # reads decoding without the lock: removed records are not pooled meanwhile
         self._ns: dict[str, Namespace] = {}
         self._seqs: OrderedDict[tuple[str, SeqId], Seq] = OrderedDict()  # least recently used first
+        self._chains = Chains(by_prefix=eviction_order == "prefix")  # the eviction order (kvd.store.chains)
+        self.eviction_order = eviction_order
         self._ledger = sp.Ledger(min(sp.POOL_MAX_BYTES, self.capacity_bytes // sp.POOL_CAPACITY_DIVISOR))
         self._log = store_seq.CompactionLog()
         self._level = Level.FP16  # in force: the order's level, or the shard's own lead (`_ahead`) above it
@@ -332,7 +343,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
 
     def append(
         self, namespace: str, seq_id: SeqId, keys: object, values: object, *, position: int | None = None,
-        disk_io: bool = True,
+        parent: SeqId | None = None, disk_io: bool = True,
     ) -> int:
         """Append T tokens: ``keys`` and ``values`` ``[L, T, H, D]`` (all layers; float16, float32 or bfloat16).
         Returns the new length. All or nothing: on any error (shape, dtype, NaN/Inf, out of memory) nothing is
@@ -343,12 +354,18 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
         sequence per block) gets no sink page. Fixed when the sequence is created; an append that states another
         position is refused (InvalidArgument).
 
+        ``parent``: the sequence (same namespace) this one follows in a chain that lookups walk in order, such as
+        a prompt stored one block per sequence: while this one is reachable only through it, a full store gives
+        up this one first once the parent is gone, and keeps a parent while its children are held
+        (:mod:`kvd.store.chains`). Read when the append creates the sequence.
+
         An append to a sequence on disk takes it back into RAM first (:mod:`kvd.store.spill`); with ``disk_io``
         False it raises :class:`OnDisk` instead when that means reading a file (nothing is done)."""
         with self._lock:
             ns = self._namespace(namespace)
             key = (ns.name, seq_id_arg(seq_id))
             pos = None if position is None else int_arg("position", position, 0, None)
+            up = None if parent is None else (ns.name, seq_id_arg(parent, "parent"))
             k16, v16 = store_seq.check_kv(ns, keys, values)
             if self._disk is not None and key not in self._seqs:
                 self._promote(ns, key, disk_io)
@@ -364,14 +381,22 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
                         raise InvalidArgument(f"a new sequence needs at least one token; {key[1]!r} got 0")
                     break
                 try:
+                    created = seq is None
                     seq = self._append(ns, key, seq, k16, v16, pos or 0)
+                    if created:
+                        self._chains.add(key, up, depth=seq.position)
                     break
                 except InFlight:  # it must make room: that waits for the appends in flight, then plans again
                     while self._pinned:
                         self._unpinned.wait()
-            self._seqs.move_to_end(key)
+            self._touch(key)
             self._appends += 1
             return seq.length
+
+    def _touch(self, key: tuple[str, SeqId]) -> None:
+        """(Under the lock) a use of ``key`` (in RAM): the most recently used, for eviction."""
+        self._seqs.move_to_end(key)
+        self._chains.touch(key)
 
     # ------------------------------------------------------------------------------------------ memory
 
@@ -441,7 +466,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
             self._readers += 1
             return seq  # type: ignore[no-any-return]
         self._gets += 1
-        self._seqs.move_to_end(seq.key)
+        self._touch(seq.key)
         return None if fp16 < UNLOCKED_MIN_BYTES else self._view(seq, end)
 
     def get_into(
@@ -573,7 +598,10 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
             while key in self._pinned:  # an append to it is in flight: it goes first
                 self._unpinned.wait()
             if key not in self._seqs:  # on disk: its file goes by the disk's writer thread
-                return self._disk is not None and self._disk.remove(key) is not None
+                gone = self._disk is not None and self._disk.remove(key) is not None
+                if gone:
+                    self._chains.remove(key)  # its children in memory are unreachable from now on
+                return gone
             self._remove(key, pool=not self._readers)
             return True
 

@@ -3,7 +3,8 @@
 Theory of operation: an append computes the bytes it will allocate (its peak) before touching anything, and asks
 :meth:`Eviction._admit` whether they fit. If not, and room can be made (LRU eviction on, and evicting every
 other sequence would be enough), the append is built first and :meth:`Eviction._make_room` then empties the
-pool and evicts least-recently-used whole sequences; building first means bad data (NaN/Inf, refused by the
+pool and evicts whole sequences, those no lookup can reach first, then chain tails, each least recently used
+first (:mod:`kvd.store.chains`; without chains, plain LRU); building first means bad data (NaN/Inf, refused by the
 encoding pass) evicts nothing, with no separate pass over the tokens. When no room can be made the append is
 refused with OutOfMemory, after checking its data so that bad data is named as such. :meth:`Eviction._remove`
 takes a sequence out (drop and eviction) in one pass over its pages.
@@ -22,6 +23,7 @@ from kvd.errors import OutOfMemory
 from kvd.policy import Level
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
+from kvd.store.chains import UNREACHABLE, Chains
 from kvd.store.sequences import Seq, SeqId
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ class Eviction:
     _ledger: sp.Ledger
     _log: store_seq.CompactionLog
     _seqs: OrderedDict[tuple[str, SeqId], Seq]
+    _chains: Chains
     _ns_meta: int
     _tokens: int
     _evictions: int
@@ -73,17 +76,20 @@ class Eviction:
         )
 
     def _make_room(self, need: int, key: tuple[str, SeqId]) -> None:
-        """Free room for ``need`` more bytes: the pool first, then least-recently-used whole sequences, never
-        ``key``'s (:meth:`_admit` has checked that evicting every other sequence is enough). With a disk tier
-        they are spilled to disk (kvd.store.spill); one the disk cannot take is evicted, or under
-        ``eviction="none"`` the append is refused with the disk's reason."""
+        """Free room for ``need`` more bytes: the pool first, then whole sequences in the order of
+        :mod:`kvd.store.chains` (unreachable, chain tails, then least recently used first), never ``key``'s
+        (:meth:`_admit` has checked that evicting every other sequence is enough). With a disk tier they are
+        spilled to disk (kvd.store.spill), except unreachable ones, which are evicted; one the disk cannot take
+        is evicted, or under ``eviction="none"`` the append is refused with the disk's reason."""
         cap = self.capacity_bytes
         if self._ledger.used + need <= cap:
             return
         self._ledger.pool.clear()
         while self._ledger.used + need > cap:
-            victim = next(k for k in self._seqs if k != key)
-            if self._disk is not None:
+            victim = self._chains.victim(exclude=key)
+            assert victim is not None  # (_admit checked that evicting every other sequence is enough)
+            lost = self.eviction == "lru" and self._chains.tier(victim) == UNREACHABLE  # not worth a disk write
+            if self._disk is not None and not lost:
                 why = self._spill(self._seqs[victim])
                 if why is None:
                     continue
@@ -100,8 +106,10 @@ class Eviction:
             self._evicted_tokens += self._seqs[victim].length
             self._remove(victim, pool=False)
 
-    def _remove(self, key: tuple[str, SeqId], *, pool: bool) -> None:
+    def _remove(self, key: tuple[str, SeqId], *, pool: bool, to_disk: bool = False) -> None:
+        """Take ``key`` out of RAM: evicted or dropped, or (``to_disk``) spilled: its chain stays reachable."""
         seq = self._seqs.pop(key)
+        self._chains.remove(key, held=to_disk)
         ns = seq.ns
         # one pass tallying (format code -> pages, bytes), then one ledger update: the per-page cost of a drop
         off, lo, hi = sp.CUR_FMT_FROM_END, seq.sink_rows, seq.window_done

@@ -54,7 +54,7 @@ def int_tuple(name: str, values: Iterable[object]) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def seq_id_arg(seq_id: object) -> SeqId:
+def seq_id_arg(seq_id: object, name: str = "seq_id") -> SeqId:
     """A sequence id: a str or a non-negative int (numpy ints become int; bools are refused)."""
     if isinstance(seq_id, str):
         return seq_id
@@ -62,7 +62,7 @@ def seq_id_arg(seq_id: object) -> SeqId:
         return seq_id
     if isinstance(seq_id, numbers.Integral) and not isinstance(seq_id, bool) and int(seq_id) >= 0:
         return int(seq_id)
-    raise InvalidArgument(f"seq_id must be a str or a non-negative int, got {type(seq_id).__name__} {seq_id!r}")
+    raise InvalidArgument(f"{name} must be a str or a non-negative int, got {type(seq_id).__name__} {seq_id!r}")
 
 
 def tail_tokens(fill: int, page_tokens: int) -> int:

@@ -32,6 +32,7 @@ import numpy as np
 from kvd.errors import CorruptPage, LayoutMismatch, UnknownSequence
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
+from kvd.store.chains import Chains
 from kvd.store.disk import DiskTier
 from kvd.store.disk.format import SeqHeader, trailers_digest
 from kvd.store.disk.index import Entry
@@ -58,6 +59,7 @@ class Spilling:
     _log: store_seq.CompactionLog
     _ns: dict[str, Namespace]
     _seqs: OrderedDict[tuple[str, SeqId], Seq]
+    _chains: Chains
     _disk: DiskTier | None
     _tokens: int
     _promotions: int
@@ -119,7 +121,7 @@ class Spilling:
         )  # fmt: skip
         why = self._disk.spill(header, records, tail, wait_s=wait_s)
         if why is None:
-            self._remove(seq.key, pool=False)  # the records now belong to the tier
+            self._remove(seq.key, pool=False, to_disk=True)  # the records now belong to the tier
         return why
 
     def close(self, *, persist: bool = True) -> None:
@@ -259,6 +261,7 @@ class Spilling:
         ns.sequences += 1
         self._tokens += h.length
         self._seqs[key] = seq
+        self._chains.add(key, depth=h.position)  # (its link to its parent is not on disk; its children's are)
 
     # ------------------------------------------------------------------------------------------ introspection
 

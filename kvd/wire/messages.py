@@ -181,12 +181,14 @@ class AppendRequest(_Message):
     if set, a shard of another incarnation (it restarted, empty) refuses the append with WrongShard; on the
     wire only when set. ``packed`` (protocol 1.4): keys and values travel in one frame, keys first (a copy of both
     is sent; on the wire only when true). A decoded packed request's arrays are views of that one frame.
+    ``parent`` (protocol 1.6): the sequence (same namespace, same shard) a new sequence follows in a chain that
+    lookups walk in order (Store.append); on the wire only when set.
     """
 
     OP = "append"
     FIELDS = (*_NS_SEQ, ("offset", check_opt_position))
     OPTIONAL = ("offset",)
-    EXTRA_KEYS = ("dtype", "shape", "position", "incarnation", "packed")
+    EXTRA_KEYS = ("dtype", "shape", "position", "incarnation", "packed", "parent")
     FRAMES = None  # 2, or 1 when packed (tensors_from_wire counts them)
     namespace: str
     seq_id: SeqId
@@ -197,11 +199,14 @@ class AppendRequest(_Message):
     position: int | None = None
     incarnation: str | None = None
     packed: bool = False
+    parent: SeqId | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
         if not wire:  # a decoded request's arrays were built from the frames with the declared dtype and shape
             check_tensors(self, min_dims=(1, 1, 1, 1), declared=self.dtype)
             object.__setattr__(self, "position", check_opt_position("position", self.position, InvalidArgument))
+            if self.parent is not None:
+                object.__setattr__(self, "parent", check_seq_id("parent", self.parent, InvalidArgument))
             if self.incarnation is not None:
                 check_short_text("incarnation", self.incarnation, InvalidArgument)
             object.__setattr__(self, "packed", check_bool("packed", self.packed, InvalidArgument))
@@ -212,6 +217,8 @@ class AppendRequest(_Message):
             extra["position"] = self.position
         if self.incarnation is not None:
             extra["incarnation"] = self.incarnation
+        if self.parent is not None:
+            extra["parent"] = self.parent
         if self.packed:
             extra["packed"] = True
             return extra, [packed_tensors(self.keys, self.values)]
@@ -225,6 +232,9 @@ class AppendRequest(_Message):
         value = header.get("incarnation")
         if value is not None:
             out["incarnation"] = check_short_text("incarnation", value, ProtocolError)
+        value = header.get("parent")
+        if value is not None:
+            out["parent"] = check_seq_id("parent", value, ProtocolError)
         return out
 
 

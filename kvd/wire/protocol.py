@@ -732,6 +732,7 @@ def _fast_append_request(header: dict[str, Any], frames: Any, size: int, limits:
     _set(req, "position", position)
     _set(req, "incarnation", incarnation)
     _set(req, "packed", len(frames) == 2)
+    _set(req, "parent", None)  # (a request with a parent takes the generic decoder)
     return req
 
 

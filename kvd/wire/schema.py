@@ -28,12 +28,13 @@ except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype("<u2")
 
 PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
-PROTOCOL_MINOR = 5  # additions a client can discover through hello; never changes the meaning of old fields
+PROTOCOL_MINOR = 6  # additions a client can discover through hello; never changes the meaning of old fields
 # 1.1: get's ``packed`` field (pages in few frames, docs/protocol.md §6.5)
 # 1.2: the ``lengths`` operation (many sequences' lengths in one request, docs/protocol.md §6.11)
 # 1.3: append's ``position``, hello's and append's ``incarnation``, error WrongShard (docs/protocol.md §3)
 # 1.4: ``packed`` fp16 tensors: keys and values in one frame, in an append and an fp16 get reply (§6.4, §6.5)
 # 1.5: the ``attend`` operation (attention computed by the shard over its pages, docs/protocol.md §6.12)
+# 1.6: append's ``parent`` (the sequence a new one follows in a chain, for prefix-aware eviction; §6.4)
 MAX_LOOKUP = 4096  # seq_ids in one ``lengths`` request
 
 _KIB = 1024

@@ -579,6 +579,29 @@ def test_an_append_states_its_prompt_position_so_a_block_gets_no_sink_page(q4_sh
         assert c.length("blocks", "second") == 128
 
 
+def test_an_appends_parent_reaches_the_shard_which_evicts_the_chains_tail_first() -> None:
+    """A chain a0 <- a1 <- a2 stored first (the least recently used), then two blocks outside it: the full shard
+    gives up the chain's tail, never its head, and the parent travels on the wire (the typed encoder hands such
+    an append to the generic one)."""
+    k, v = kv(tokens=64)
+    probe = Store(64 << 20, max_level="fp16")
+    probe.register("chain", **LAYOUT)
+    base = probe.used_bytes
+    probe.append("chain", "p", k, v)
+    one = probe.used_bytes - base
+    server = ServerProcess("shard-chain", store={"capacity_bytes": base + 4 * one + one // 2, "max_level": "fp16"})
+    try:
+        with Client(server.endpoint, timeout_s=10) as c:
+            c.register("chain", **LAYOUT)
+            for i in range(3):
+                c.append("chain", f"a{i}", k, v, position=64 * i, parent=f"a{i - 1}" if i else None)
+            c.append("chain", "x", k, v)
+            c.append("chain", "y", k, v)
+            assert c.lengths("chain", ["a0", "a1", "a2", "x", "y"]) == [64, 64, None, 64, 64]
+    finally:
+        server.stop()
+
+
 def _old_shard(router: zmq.Socket[Any], store: Store, seen: list[str], stop: threading.Event) -> None:
     """A shard of protocol 1.1: it knows no lengths operation and no append position."""
     while not stop.is_set():
@@ -597,8 +620,9 @@ def _old_shard(router: zmq.Socket[Any], store: Store, seen: list[str], stop: thr
             except UnknownSequence as exc:
                 reply = p.error_reply(req.request_id, exc)
         elif isinstance(req, p.AppendRequest):
-            if "position" in msgpack.unpackb(frames[0]):  # unknown keys are errors before 1.3
-                reply = p.error_reply(req.request_id, ProtocolError("append: unknown header keys ['position']"))
+            unknown = sorted({"position", "parent"} & msgpack.unpackb(frames[0]).keys())
+            if unknown:  # unknown keys are errors before 1.3 (position) and 1.6 (parent)
+                reply = p.error_reply(req.request_id, ProtocolError(f"append: unknown header keys {unknown}"))
             else:
                 reply = p.AppendReply(request_id=req.request_id,
                                       length=store.append(req.namespace, req.seq_id, req.keys, req.values))
@@ -624,7 +648,8 @@ def test_lengths_from_a_server_before_protocol_1_2_come_from_pipelined_length_re
         with Client(f"tcp://127.0.0.1:{port}", timeout_s=5) as c:
             assert c.lengths(NS, ["a", "b", "a"]) == [3, None, 3]
             assert c.append(NS, "blk", k, v, position=64) == 3  # left out for a server before 1.3
-        assert "lengths" not in seen and seen.count("length") == 3 and seen.count("append") == 1
+            assert c.append(NS, "blk2", k, v, position=64, parent="blk") == 3  # and the parent before 1.6
+        assert "lengths" not in seen and seen.count("length") == 3 and seen.count("append") == 2
     finally:
         stop.set()
         thread.join(5)

@@ -257,7 +257,7 @@ class ShardServer(RouterServer):
             values = pages.bf16_bits_to_f16(values.view(np.uint16), "values")
         try:  # a sequence on disk is read back into RAM first: never on the loop (the store says so)
             length = store.append(req.namespace, req.seq_id, keys, values, position=req.position,
-                                  disk_io=not self._loop_only())
+                                  parent=req.parent, disk_io=not self._loop_only())
         except OnDisk:
             raise ToBulkLane from None
         # the server's own replies from the store's results are valid by construction: no second check
