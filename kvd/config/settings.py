@@ -617,6 +617,7 @@ def _effective_defaults() -> dict[str, str]:
         "store.window_tokens": repr(DEFAULT_WINDOW_TOKENS),
         "store.sink_tokens": repr(DEFAULT_SINK_TOKENS),
         "cluster.memory_bytes": f"{format_size(memory)}*",
+        "cluster.shard_reply_bytes": f"{format_size(min(GIB, max(64 * MIB, 4 * (memory // shards))))}*",
         "cluster.num_cpus": f"{max(os.cpu_count() or 1, 1)}*",
     }
     for key in ("q8_threshold", "q4_threshold", "hysteresis", "ewma_alpha"):

@@ -11,7 +11,8 @@ a receiving thread and a store thread costs about as much as a whole loopback ro
 it. The store's kernels release the GIL, so other threads of the process (the Ray actor, metrics readers) run
 while a page is encoded.
 
-*Admission (the busy policy).* Each turn of the loop first drains every message ZeroMQ has ready into its
+*Admission (the busy policy).* Each turn of the loop first drains the messages ZeroMQ has ready (up to
+``DRAIN_BATCH``; ZeroMQ's ROUTER reads its connections in turn, the rest wait in their pipes) into each one's
 peer's queue (one FIFO per connection), bounded for all peers together (``max_queued_requests`` requests,
 ``max_queued_bytes`` bytes; one request is always admitted when nothing is queued, whatever its size) and for
 each peer (``max_peer_requests``, counting its requests on the bulk lane). A message over its peer's bound is
@@ -22,9 +23,9 @@ the peers it would crowd out. Then one request runs and is answered, taken from 
 (round-robin over the peers with requests queued), and the loop drains again. So a request waits for at most
 one request of every other peer with requests queued, however many one of them pipelines (a client pipelining
 1,500 ``lengths`` of 4,096 ids took another's p99 from 17 ms to 439 ms behind one shared FIFO; BENCHMARKS.md,
-"Wire", "Fairness"); under overload a request gets ``Busy`` within the time of the operation in progress,
-never silence; requests of one connection start in the order received; and the memory held by received
-requests is bounded by ``max_queued_bytes``. The requests still queued for a peer that is gone (its reply met
+"Wire", "Fairness"); under overload a request gets ``Busy`` once it is read, never silence; requests of one
+connection start in the order received; and the memory held by received requests is bounded by
+``max_queued_bytes``. The requests still queued for a peer that is gone (its reply met
 EHOSTUNREACH) are dropped unexecuted (``requests_abandoned``): nobody would read their replies.
 
 *What peers make ZeroMQ hold* is bounded per server by :class:`~kvd.wire.sockets.ConnectionGuard`: ZeroMQ
@@ -86,7 +87,10 @@ DEFAULT_MAX_PEER_REQUESTS = 256
 DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader beyond it are dropped
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
-DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
+# Most messages admitted (or refused) per turn before the next request runs. ROUTER reads its connections in
+# turn, so a few reads reach every connection with a message waiting; more would only let a flooder that sends
+# again on every Busy keep the loop answering Busy (at 256 a turn, a polite client's p99 was 20x its quiet one).
+DRAIN_BATCH = 16
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
