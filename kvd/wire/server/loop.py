@@ -11,12 +11,12 @@ a receiving thread and a store thread costs about as much as a whole loopback ro
 it. The store's kernels release the GIL, so other threads of the process (the Ray actor, metrics readers) run
 while a page is encoded.
 
-*Admission (the busy policy).* Each turn of the loop first drains the messages ZeroMQ has ready (up to
-``DRAIN_BATCH``; ZeroMQ's ROUTER reads its connections in turn, the rest wait in their pipes) into each one's
+*Admission (the busy policy).* Each turn of the loop first drains every message ZeroMQ has ready into its
 peer's queue (one FIFO per connection), bounded for all peers together (``max_queued_requests`` requests,
 ``max_queued_bytes`` bytes; one request is always admitted when nothing is queued, whatever its size) and for
 each peer (``max_peer_requests``, counting its requests on the bulk lane). A message over its peer's bound is
-answered ``Busy`` (code 13) at once: only its request id is read, it is not executed, and its buffers are
+answered ``Busy`` (code 13) at once: only its request id is read (within the header's first 4 KiB, so a
+refusal costs the same whatever the request's size), it is not executed, and its buffers are
 freed. When the shared bound is full, a request of a peer that holds fewer than the heaviest peer takes that
 peer's newest queued request's place, which is answered ``Busy`` instead: a peer that floods is refused, not
 the peers it would crowd out. Then one request runs and is answered, taken from the peers *in turn*
@@ -60,7 +60,6 @@ import threading
 import time
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.auth
 import zmq.backend
@@ -87,10 +86,7 @@ DEFAULT_MAX_PEER_REQUESTS = 256
 DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader beyond it are dropped
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
-# Most messages admitted (or refused) per turn before the next request runs. ROUTER reads its connections in
-# turn, so a few reads reach every connection with a message waiting; more would only let a flooder that sends
-# again on every Busy keep the loop answering Busy (at 256 a turn, a polite client's p99 was 20x its quiet one).
-DRAIN_BATCH = 16
+DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
@@ -689,14 +685,10 @@ class RouterServer:
 
 
 def _peek_id(frames: list[zmq.Frame]) -> int | None:
-    """The request id of a message to refuse, if its header has a readable one (a bounded, cheap decode)."""
+    """The request id of a message to refuse, if its header has a readable one: read within the header's first
+    4 KiB (:func:`kvd.wire.protocol.salvage_request_id`), so refusing a flood of 4,096-id ``lengths`` does not
+    decode 4,096 ids each."""
     try:
-        head = frames[0].buffer
-        if len(head) > p.DEFAULT_MAX_HEADER_BYTES:
-            return None
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=0,
-                                 max_array_len=p.DEFAULT_MAX_PAGES, max_map_len=p.MAX_STATS_KEYS)
-        rid = header.get("id") if isinstance(header, dict) else None
+        return p.salvage_request_id(frames[0].buffer)
     except Exception:  # noqa: BLE001 - anything unreadable has no id
         return None
-    return rid if type(rid) is int and 0 <= rid <= p.MAX_REQUEST_ID else None
