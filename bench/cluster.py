@@ -26,6 +26,8 @@ runs the shards with the system's autotuned TCP buffers instead of the loopback 
 (``cluster.shard_socket_buffer_bytes``; docs/design.md, "Small requests never wait ...").
 ``--prefill-rate N`` paces the prefill clients at N chunks per second in all instead of back to back: back to
 back, they and the shards keep both CPUs of this machine busy, and the decode steps wait for a CPU.
+
+``--namespaces N`` runs only what a namespace registration costs as N accumulate (bench/namespaces.py).
 """
 
 from __future__ import annotations
@@ -306,6 +308,8 @@ def main() -> None:
     parser.add_argument("--socket-buffer", default=None, metavar="SIZE",
                         help="part 3's cluster.shard_socket_buffer_bytes, e.g. 256KiB, or 0 for the system's "
                              "autotuned buffers (default: unset, 256 KiB for these loopback shards)")
+    parser.add_argument("--namespaces", type=int, default=0, metavar="N",
+                        help="only: register N namespaces one at a time and report the cost as they accumulate")
     args = parser.parse_args()
     if args.prefill_rate < 0:
         parser.error(f"--prefill-rate must be 0 (back to back) or more, got {args.prefill_rate:g}")
@@ -322,13 +326,18 @@ def main() -> None:
              logging_level=logging.WARNING, log_to_driver=False)
     try:
         print(f"# kvd cluster bench ({'quick' if args.quick else 'full'}), {os.cpu_count()} CPUs")
+        if args.namespaces:
+            from namespaces import namespaces_only  # bench/namespaces.py
+
+            namespaces_only(args.namespaces, args.shards)
+            return
         if not args.decode_only:
             _throughput(args)
             _control_latency(args)
         _decode_latency(args)
     finally:
         ray.shutdown()
-    if not args.no_wire and not args.decode_only:
+    if not args.no_wire and not args.decode_only and not args.namespaces:
         _wire_bench(args)
 
 

@@ -14,11 +14,14 @@ epoch, level, level epoch) on its own ZeroMQ endpoint (:class:`kvd.wire.server.T
 client is given. The coordinator is pinned to the Ray head node and rebinds the same port after a restart.
 
 Namespaces and routing: ``register`` is cluster-wide. A shard that serves a ``register`` asks the coordinator
-first (:meth:`Coordinator.add_namespace`), which keeps the layout (persisted with the rest of its state) and
-pushes it to every shard before answering (``sync``); a shard that registers (started, restarted, or found
-the coordinator restarted) is handed every namespace and the routing (topology epoch and shard ids, which it
-enforces: docs/protocol.md §10) in the reply, and report replies carry whatever a shard lacks, so every shard
-converges within one report interval even if a push was lost.
+first (:meth:`Coordinator.add_namespace`), which keeps the layout and pushes it to every shard before answering
+(``sync``); a shard that registers (started, restarted, or found the coordinator restarted) is handed every
+namespace and the routing (topology epoch and shard ids, which it enforces: docs/protocol.md §10) in the reply,
+and report replies carry whatever a shard lacks, so every shard converges within one report interval even if a
+push was lost. A registration costs the same however many namespaces exist: the push carries the new namespace
+only (with the version it applies on), and namespaces are persisted in parts of ``NAMESPACE_PART`` under keys
+of their own (``.../namespaces/<i>``), of which an addition rewrites only the last. ``cluster.max_namespaces``
+bounds how many there are.
 
 Clients get the topology only once it is complete and persisted: a fresh cluster answers ``Busy`` (retry)
 until every expected shard registered; every published topology was saved first, so a restarted coordinator
@@ -68,6 +71,7 @@ _HOUSEKEEPING_S = 0.5
 _REBIND_S = 2.0
 _REBIND_PAUSE_S = 0.1
 _PUSH_TIMEOUT_S = 2.0  # a namespace push waits this long for the shards (a dead one converges by its reports)
+NAMESPACE_PART = 256  # namespaces per persisted part (a registration rewrites one part of at most this many)
 
 
 class RayKV:
@@ -84,6 +88,10 @@ class RayKV:
 
     def __init__(self, key: str) -> None:
         self._key = key
+
+    def part(self, index: int) -> RayKV:
+        """The store of part ``index`` of the state kept apart (the namespaces), under a key of its own."""
+        return RayKV(f"{self._key}/namespaces/{index}")
 
     def load(self) -> dict[str, Any]:
         from ray.experimental import internal_kv
@@ -117,6 +125,7 @@ class RayKV:
 
         try:
             internal_kv._internal_kv_del(self._key, namespace=_KV_NAMESPACE)
+            internal_kv._internal_kv_del(f"{self._key}/namespaces/", del_by_prefix=True, namespace=_KV_NAMESPACE)
         except Exception as exc:  # noqa: BLE001
             log.warning("cannot delete coordinator state %s: %s", self._key, exc)
 
@@ -160,9 +169,11 @@ class Coordinator:
             recovered_level=recovered_level if recovered_epoch and recovered_level else None,
             recovered_topology_epoch=int(state.get("topology_epoch", 0) or 0),
             recovered_shards=_list_of_maps(state.get("shards")),
-            recovered_namespaces=state.get("namespaces") if isinstance(state.get("namespaces"), dict) else None,
+            recovered_namespaces=self._load_namespaces(state),
             recovered_namespaces_version=int(state.get("namespaces_version", 0) or 0),
+            max_namespaces=self._cluster.max_namespaces,
         )
+        self._namespaces_saved = self._membership.namespace_count  # persisted: every part up to this many
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
         self._persist_lock = threading.Lock()
@@ -236,6 +247,7 @@ class Coordinator:
         """A shard serves ``register``: make it cluster-wide. ``{"ok": True}`` once it is persisted and pushed
         to every shard (or the push timed out: a shard that missed it gets it with its next report);
         ``{"ok": False, "code", "error", "message"}`` for a layout the cluster knows otherwise."""
+        before = self._membership.namespaces_version
         try:
             added = self._membership.add_namespace(namespace, layout)
         except KvdError as exc:
@@ -243,7 +255,7 @@ class Coordinator:
         if added:
             self._persist()
             log.info("namespace %s registered with layout %s", namespace, list(layout))
-            self._push(wait_s=_PUSH_TIMEOUT_S)
+            self._push(wait_s=_PUSH_TIMEOUT_S, namespaces_from=before)  # what was added since `before` only
         return {"ok": True}
 
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
@@ -311,8 +323,11 @@ class Coordinator:
         or published, and the next call (housekeeping makes one every ``_HOUSEKEEPING_S``) tries again."""
         # One writer at a time, so a slower save of an older state never lands after a newer one.
         with self._persist_lock:
+            if not self._save_namespaces():
+                return False  # the state must never count namespaces whose part was not saved
             state = self._membership.state()
             state["endpoint"] = self._server.endpoint
+            state["namespace_count"] = self._namespaces_saved
             if force or state != self._saved:
                 if not self._kv.save(state):
                     return False  # clients keep the last saved topology; housekeeping retries
@@ -321,6 +336,33 @@ class Coordinator:
                 self._served = {"epoch": state["topology_epoch"],
                                 "shards": [{"id": s["id"], "endpoint": s["endpoint"]} for s in state["shards"]]}
             return True
+
+    def _load_namespaces(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """The persisted namespaces, in the order added: ``namespace_count`` of them from their parts."""
+        count = state.get("namespace_count")
+        if not isinstance(count, int) or count <= 0:
+            return None
+        out: dict[str, Any] = {}
+        for index in range((count + NAMESPACE_PART - 1) // NAMESPACE_PART):
+            part = self._kv.part(index).load()
+            out.update(part)
+            if len(part) < min(NAMESPACE_PART, count - index * NAMESPACE_PART):
+                log.warning("coordinator state: namespaces part %d has %d of its namespaces; the shards hand "
+                            "over the rest as they register", index, len(part))
+        return dict(list(out.items())[:count])
+
+    def _save_namespaces(self) -> bool:
+        """(Under the persist lock) save the parts that hold namespaces added since the last save: one part per
+        registration, whatever the number of namespaces. False if a save failed (retried with the next)."""
+        count = self._membership.namespace_count
+        saved = self._namespaces_saved
+        if count <= saved:
+            return True
+        for index in range(saved // NAMESPACE_PART, (count - 1) // NAMESPACE_PART + 1):
+            if not self._kv.part(index).save(self._membership.namespace_part(index, NAMESPACE_PART)):
+                return False
+        self._namespaces_saved = count
+        return True
 
     def _client_topology(self) -> dict[str, Any]:
         """What the topology endpoint serves: the last published topology, with the level in force; ``Busy``
@@ -332,11 +374,13 @@ class Coordinator:
                        f"registered yet: {', '.join(missing[:8])}); retry after a short backoff")
         return {**served, "level": self._membership.level.tag, "level_epoch": self._membership.epoch}
 
-    def _push(self, *, wait_s: float) -> None:
-        """Send every shard the routing and all namespaces (``Shard.sync``); wait up to ``wait_s`` for them."""
+    def _push(self, *, wait_s: float, namespaces_from: int = -1) -> None:
+        """Send every shard the routing and the namespaces added after version ``namespaces_from`` (-1: all)
+        (``Shard.sync``); wait up to ``wait_s`` for them."""
         import ray
 
-        payload = self._membership.shard_sync(topology_epoch=-1, namespaces_version=-1, now=self._clock())
+        payload = self._membership.shard_sync(topology_epoch=-1, namespaces_version=namespaces_from,
+                                              now=self._clock())
         refs: dict[Any, str] = {}
         for state in self._membership.shards():
             try:

@@ -40,7 +40,12 @@ lost) puts its own past it.
 Namespaces. ``register`` is cluster-wide: the coordinator keeps every namespace's layout
 (:meth:`Membership.add_namespace`, the first layout wins), persists it, and hands it to every shard with its
 registration and whenever a report shows the shard is behind (``namespaces_version``), so a restarted or new
-shard knows every namespace before it serves.
+shard knows every namespace before it serves. The version counts additions, so what a shard lacks is the
+namespaces added after its version (:meth:`Membership.shard_sync` sends only those, with the version they
+apply on, ``namespaces_from``); only a shard whose version this coordinator cannot place (from before a restart
+that lost the state, or from a lost predecessor) is sent them all. A registration therefore costs the same
+however many namespaces exist, and ``max_namespaces`` bounds how many there are (:class:`InvalidArgument` past
+it: every namespace costs memory in the coordinator, in every shard and in Ray's state).
 
 Restarts. A coordinator restarted with ``recovered_epoch`` / ``recovered_level`` (from persistent storage)
 continues from there; a report carrying a newer epoch than the coordinator knows raises the floor, so no epoch
@@ -214,6 +219,7 @@ class Membership:
         recovered_namespaces: dict[str, Any] | None = None,
         recovered_namespaces_version: int = 0,
         ready_grace_s: float | None = None,
+        max_namespaces: int | None = None,
     ) -> None:
         if pressure_mode not in PRESSURE_MODES:
             raise InvalidArgument(f"pressure_mode must be one of {PRESSURE_MODES}, got {pressure_mode!r}")
@@ -248,6 +254,11 @@ class Membership:
         for name, layout in (recovered_namespaces or {}).items():
             self._namespaces[str(name)] = _layout(name, layout)
         self._namespaces_version = max(int(recovered_namespaces_version), len(self._namespaces))
+        # every name in the order added (recovered ones first): the names after the first _recovered were added
+        # by this process, one version each from _base, so what a shard lacks is a slice of this list
+        self._order: list[str] = list(self._namespaces)
+        self._recovered, self._base = len(self._order), self._namespaces_version
+        self._max_namespaces = max_namespaces
         if recovered_epoch > 0 and recovered_level is not None:
             self._level = Level.parse(recovered_level)
             self._epoch = int(recovered_epoch)
@@ -281,7 +292,9 @@ class Membership:
         return self._stale_after_s
 
     def state(self) -> dict[str, Any]:
-        """Everything a restarted coordinator needs (to persist): level, epochs, shards, namespaces."""
+        """What a restarted coordinator needs (to persist): level, epochs, shards, the namespaces' version. The
+        namespaces themselves are persisted apart, in parts that do not change once full
+        (:meth:`namespace_part`), so saving costs the same however many there are."""
         with self._lock:
             return {
                 "level": self._level.tag,
@@ -289,7 +302,6 @@ class Membership:
                 "topology_epoch": self._topology_epoch,
                 "shards": [{"id": s.shard_id, "endpoint": s.endpoint, "incarnation": s.incarnation, "node": s.node}
                            for _, s in sorted(self._shards.items())],
-                "namespaces": {k: list(v) for k, v in self._namespaces.items()},
                 "namespaces_version": self._namespaces_version,
             }
 
@@ -321,8 +333,7 @@ class Membership:
             self._raise_topology_floor(topology_epoch)
             for name, layout in (namespaces or {}).items():
                 if name not in self._namespaces:
-                    self._namespaces[str(name)] = _layout(name, layout)
-                    self._namespaces_version += 1
+                    self._add(str(name), _layout(name, layout))
             old = self._shards.get(shard_id)
             if old is None:
                 self._shards[shard_id] = ShardState(
@@ -418,11 +429,38 @@ class Membership:
                     f"kv_heads={old[1]}, head_dim={old[2]}), not (layers={new[0]}, kv_heads={new[1]}, "
                     f"head_dim={new[2]})"
                 )
-            self._namespaces[namespace] = new
-            self._namespaces_version += 1
+            limit = self._max_namespaces
+            if limit is not None and len(self._namespaces) >= limit:
+                raise InvalidArgument(
+                    f"namespace {namespace!r} was not registered: this cluster holds {len(self._namespaces)} "
+                    f"namespaces, its limit (cluster.max_namespaces = {limit}). A namespace is one model's KV "
+                    "layout and is never removed; reuse one, or raise cluster.max_namespaces"
+                )
+            self._add(namespace, new)
             return True
 
+    def _add(self, name: str, layout: tuple[int, int, int]) -> None:
+        self._namespaces[name] = layout
+        self._order.append(name)
+        self._namespaces_version += 1
+
     # ------------------------------------------------------------------------------------------ queries
+
+    @property
+    def namespace_count(self) -> int:
+        with self._lock:
+            return len(self._order)
+
+    @property
+    def namespaces_version(self) -> int:
+        with self._lock:
+            return self._namespaces_version
+
+    def namespace_part(self, index: int, size: int) -> dict[str, list[int]]:
+        """Namespaces ``index * size`` to ``(index + 1) * size - 1`` in the order added: ``{name: [L, H, D]}``
+        (a part of the persisted state; parts before the last never change)."""
+        with self._lock:
+            return {k: list(self._namespaces[k]) for k in self._order[index * size:(index + 1) * size]}
 
     def namespaces(self) -> tuple[int, dict[str, tuple[int, int, int]]]:
         """``(version, {namespace: (layers, kv_heads, head_dim)})``; the version grows with every addition."""
@@ -442,13 +480,20 @@ class Membership:
     ) -> dict[str, Any]:
         """What a shard that has ``topology_epoch`` / ``namespaces_version`` lacks: ``routing`` (``{"epoch",
         "shards": [ids]}``, only once the topology is published) and ``namespaces`` (``{name: [L, H, D]}``),
-        each only when it differs; ``namespaces_version`` always."""
+        each only when it differs; ``namespaces_version`` always. ``namespaces`` holds the ones added after the
+        shard's version, with ``namespaces_from`` (that version) when this coordinator added all of them; every
+        namespace, without ``namespaces_from``, when it cannot tell which the shard lacks."""
         with self._lock:
             out: dict[str, Any] = {"namespaces_version": self._namespaces_version}
             if self._is_ready(self._started_at if now is None else now) and topology_epoch != self._topology_epoch:
                 out["routing"] = {"epoch": self._topology_epoch, "shards": sorted(self._shards)}
             if namespaces_version != self._namespaces_version:
-                out["namespaces"] = {k: list(v) for k, v in self._namespaces.items()}
+                if self._base <= namespaces_version < self._namespaces_version:
+                    names = self._order[self._recovered + namespaces_version - self._base:]
+                    out["namespaces_from"] = namespaces_version
+                else:
+                    names = self._order
+                out["namespaces"] = {k: list(self._namespaces[k]) for k in names}
             return out
 
     def expected_missing(self) -> list[str]:

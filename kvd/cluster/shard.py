@@ -41,7 +41,7 @@ import uuid
 from typing import Any
 
 from kvd.config.settings import Config
-from kvd.errors import ConfigError, KvdError, LayoutMismatch, error_for_code
+from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch, error_for_code
 from kvd.store import buffers
 
 __all__ = ["Shard"]
@@ -118,6 +118,7 @@ class Shard:
                 curve=curve,
                 compact_budget_bytes=config.store.compact_budget_bytes,
                 socket_buffer_bytes=config.cluster.shard_socket_buffer_bytes,
+                max_reply_bytes=config.cluster.shard_reply_bytes,
                 incarnation=self._incarnation,
                 on_register=self._register_namespace,
                 starting=True,  # no data before the cluster's namespaces are known (the first registration)
@@ -213,14 +214,21 @@ class Shard:
         self._sync(reply)
 
     def _sync(self, state: dict[str, Any]) -> None:
-        """Register every namespace of ``state["namespaces"]`` here and enforce ``state["routing"]`` if newer."""
+        """Register every namespace of ``state["namespaces"]`` here and enforce ``state["routing"]`` if newer.
+        Namespaces sent ``namespaces_from`` a version (those added after it) bring this shard to their version
+        only if it had that one: else it still lacks some, and its next report asks for them."""
         namespaces = state.get("namespaces")
         if isinstance(namespaces, dict):
             for name, layout in namespaces.items():
                 self._learn(name, tuple(layout))
         version = state.get("namespaces_version")
         if isinstance(version, int) and isinstance(namespaces, dict):
-            self._namespaces_version = version
+            base = state.get("namespaces_from")
+            with self._namespaces_lock:
+                if base is None:  # every namespace the cluster has
+                    self._namespaces_version = version
+                elif base <= self._namespaces_version < version:
+                    self._namespaces_version = version
         routing = state.get("routing")
         if isinstance(routing, dict) and self._server.set_routing(int(routing["epoch"]), list(routing["shards"])):
             log.info("shard %s routes by topology epoch %d", self._shard_id, int(routing["epoch"]))
@@ -247,6 +255,11 @@ class Shard:
         with self._namespaces_lock:
             if self._namespaces.get(namespace) == layout:
                 return  # known cluster-wide already
+            held, limit = len(self._namespaces) + len(self._pending), self._config.cluster.max_namespaces
+        if held >= limit and namespace not in self._pending:  # (the coordinator refuses it too, cluster-wide)
+            raise InvalidArgument(f"namespace {namespace!r} was not registered: shard {self._shard_id} holds "
+                                  f"{held} namespaces, the limit (cluster.max_namespaces = {limit}); reuse one, "
+                                  "or raise cluster.max_namespaces")
         coordinator = self._coordinator
         if coordinator is not None and self._registered.is_set():
             try:

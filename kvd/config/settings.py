@@ -244,6 +244,17 @@ class ClusterSettings:
         "other clients' MiB transfers, but cap one connection at about buffer / network round trip, and make "
         "MiB appends and lone MiB reads 20-40% slower (docs/design.md)"
     )
+    max_namespaces: int = _setting(
+        1024, integer_in(1, 1 << 20), "namespaces the cluster holds at most (one per model KV layout, never "
+        "removed; each costs about 10 KB in the coordinator and 6 KB in every shard): a register past it is "
+        "refused with InvalidArgument"
+    )
+    shard_reply_bytes: int | None = _setting(
+        None, optional(size_at_least(MIB)), "replies a shard holds for peers that have not read them, all peers "
+        "together; over it, replies to peers that do not read are dropped. Unset: 4 x the shard's memory "
+        "(its largest reply: a whole store at q4 read back as fp16), at least 64 MiB, at most 2 x the protocol's "
+        "max_message_bytes (1 GiB)"
+    )
     num_cpus: int | None = _setting(
         None,
         optional(integer_in(1, 1 << 16)),
@@ -622,6 +633,7 @@ def _effective_defaults() -> dict[str, str]:
         "store.window_tokens": repr(DEFAULT_WINDOW_TOKENS),
         "store.sink_tokens": repr(DEFAULT_SINK_TOKENS),
         "cluster.memory_bytes": f"{format_size(memory)}*",
+        "cluster.shard_reply_bytes": f"{format_size(min(GIB, max(64 * MIB, 4 * (memory // shards))))}*",
         "cluster.num_cpus": f"{max(os.cpu_count() or 1, 1)}*",
     }
     for key in ("q8_threshold", "q4_threshold", "hysteresis", "ewma_alpha"):

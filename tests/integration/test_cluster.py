@@ -23,7 +23,7 @@ import ray
 
 from kvd.client import Client
 from kvd.cluster.deploy import Deployment, deploy, teardown, wait_until
-from kvd.errors import Conflict, KvdError, OutOfMemory, UnknownSequence
+from kvd.errors import Conflict, InvalidArgument, KvdError, OutOfMemory, UnknownSequence
 from kvd.wire.protocol import owner
 
 from tcp_buffers import tcp_buffers  # isort: skip  (tests/integration/tcp_buffers.py)
@@ -300,3 +300,33 @@ def test_coordinator_killed_data_keeps_flowing_and_levels_resume_with_a_newer_ep
         wait_until(lambda: levels_converged(client, "q4")[0], timeout_s=30, what="every shard at q4")
         (q4_epoch,) = levels_converged(client, "q4")[1]
         assert q4_epoch > q8_epoch
+
+
+# ------------------------------------------------------------------------------------------------ namespaces
+
+
+@pytest.mark.timeout(180)
+def test_namespaces_reach_every_shard_up_to_the_limit_and_a_small_shard_holds_a_small_reply_budget(
+        small_config: Any) -> None:
+    """A namespace registered through one shard is served by every shard (the coordinator pushes what was added,
+    not everything); past cluster.max_namespaces a register is refused with an error naming the setting; and a
+    1 MiB shard's reply budget is the floor, 64 MiB, not 1 GiB."""
+    config = small_config("kvd-ns", 2, **{"cluster.max_namespaces": 3})
+    deployment = deploy(config, ready_timeout_s=60)
+    try:
+        with Client(deployment.endpoint, timeout_s=10.0) as client:
+            ids = [s["shard_id"] for s in all_stats(client)]
+            for i in range(3):
+                client.register(f"ns{i}", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+            with pytest.raises(InvalidArgument, match=r"cluster.max_namespaces = 3"):
+                client.register("ns3", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+            assert deployment.status()["namespaces"] == 3
+            data = chunk(PAGE, 2)
+            for i in range(3):  # a sequence on each shard, in every namespace: each shard knows all three
+                seqs = {ids[owner(ids, f"ns{i}", f"s{j}")]: f"s{j}" for j in range(64)}
+                assert len(seqs) == 2
+                for seq in seqs.values():
+                    assert client.append(f"ns{i}", seq, data, data) == PAGE
+            assert {s["server_max_reply_bytes"] for s in all_stats(client)} == {64 << 20}
+    finally:
+        teardown(config.cluster.namespace, timeout_s=10)

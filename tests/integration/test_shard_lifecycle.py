@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from kvd.client import Client
-from kvd.errors import Busy, LayoutMismatch, UnknownNamespace, UnknownSequence, WrongShard
+from kvd.errors import Busy, InvalidArgument, LayoutMismatch, UnknownNamespace, UnknownSequence, WrongShard
 from kvd.store.core import Store
 from kvd.wire import protocol as p
 from kvd.wire.routing import owner
@@ -166,16 +166,22 @@ class MemoryKV:
 
     def __init__(self) -> None:
         self.data: dict[str, Any] = {}
+        self.parts: dict[int, MemoryKV] = {}
+        self.saves = 0
+
+    def part(self, index: int) -> MemoryKV:
+        return self.parts.setdefault(index, MemoryKV())
 
     def load(self) -> dict[str, Any]:
         return json.loads(json.dumps(self.data))
 
     def save(self, data: dict[str, Any]) -> bool:
         self.data = json.loads(json.dumps(data))
+        self.saves += 1
         return True
 
     def delete(self) -> None:
-        self.data = {}
+        self.data, self.parts = {}, {}
 
 
 class FailingKV(MemoryKV):
@@ -301,3 +307,38 @@ def test_a_topology_whose_save_failed_is_not_served_and_the_save_is_retried() ->
         assert kv.data["shards"][1]["endpoint"] == "tcp://127.0.0.1:3"
     finally:
         coordinator.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("no_ray")
+def test_a_registration_saves_one_part_of_the_namespaces_and_a_restart_recovers_them_all() -> None:
+    """What one registration writes does not grow with the namespaces that exist (one part of at most
+    NAMESPACE_PART), a restarted coordinator knows every namespace, and past cluster.max_namespaces a register is
+    refused with an error naming the setting."""
+    from kvd.cluster.coordinator import NAMESPACE_PART, Coordinator
+    from kvd.config import load_config
+
+    n = 2 * NAMESPACE_PART + 10
+    config = load_config(env={}, overrides={"cluster.shards": 1, "cluster.port": 0, "cluster.max_namespaces": n})
+    kv = MemoryKV()
+    first = Coordinator(config, host="127.0.0.1", kv=kv)
+    try:
+        for i in range(n - 1):
+            assert first.add_namespace(f"n{i}", [1, 1, 4 + i % 3]) == {"ok": True}
+        writes = {i: part.saves for i, part in kv.parts.items()}
+        assert first.add_namespace("last", [2, 2, 8]) == {"ok": True}
+        rewritten = [i for i, part in kv.parts.items() if part.saves != writes.get(i, 0)]
+        assert rewritten == [n // NAMESPACE_PART]  # the last part only, not the 2 full ones before it
+        assert len(kv.parts[rewritten[0]].data) <= NAMESPACE_PART and "namespaces" not in kv.data
+        refused = first.add_namespace("one-too-many", [1, 1, 4])
+        assert not refused["ok"] and refused["code"] == InvalidArgument.code
+        assert "cluster.max_namespaces" in refused["message"]
+        assert "one-too-many" not in first.namespaces()
+    finally:
+        first.stop()
+    second = Coordinator(config, host="127.0.0.1", kv=kv)
+    try:
+        names = second.namespaces()
+        assert len(names) == n and names["last"] == [2, 2, 8] and names["n7"] == [1, 1, 5]
+    finally:
+        second.stop()

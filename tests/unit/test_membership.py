@@ -428,6 +428,49 @@ def test_a_shard_in_sync_is_sent_nothing() -> None:
     assert "routing" not in again and "namespaces" not in again
 
 
+def test_a_shard_behind_is_sent_only_the_namespaces_it_lacks() -> None:
+    """What a registration costs does not grow with the namespaces that exist: a shard one behind gets one."""
+    c = Cluster(2).start()
+    for i in range(300):
+        c.m.add_namespace(f"n{i}", (1, 1, 4))
+    version = c.m.namespaces_version
+    c.m.add_namespace("new", (2, 2, 8))
+    sync = c.m.shard_sync(topology_epoch=0, namespaces_version=version)
+    assert sync["namespaces"] == {"new": [2, 2, 8]} and sync["namespaces_from"] == version
+    assert sync["namespaces_version"] == version + 1
+    assert list(c.m.shard_sync(topology_epoch=0, namespaces_version=version - 2)["namespaces"]) == \
+        ["n298", "n299", "new"]
+    # a version this coordinator cannot place (newer than its own: it lost its state) gets them all
+    full = c.m.shard_sync(topology_epoch=0, namespaces_version=version + 50)
+    assert len(full["namespaces"]) == 301 and "namespaces_from" not in full
+
+
+def test_a_recovered_coordinator_sends_deltas_after_its_own_additions_and_all_before_them() -> None:
+    c = Cluster(2).start()
+    for i in range(5):
+        c.m.add_namespace(f"n{i}", (1, 1, 4))
+    state = c.m.state()
+    assert "namespaces" not in state  # persisted apart, in parts (namespace_part)
+    assert c.m.namespace_part(1, 2) == {"n2": [1, 1, 4], "n3": [1, 1, 4]}
+    r = Cluster(2, recovered_namespaces={**c.m.namespace_part(0, 2), **c.m.namespace_part(1, 2),
+                                         **c.m.namespace_part(2, 2)},
+                recovered_namespaces_version=state["namespaces_version"]).start()
+    r.m.add_namespace("later", (1, 1, 8))
+    assert r.m.shard_sync(topology_epoch=0, namespaces_version=5)["namespaces"] == {"later": [1, 1, 8]}
+    everything = r.m.shard_sync(topology_epoch=0, namespaces_version=3)  # from before the restart
+    assert len(everything["namespaces"]) == 6 and "namespaces_from" not in everything
+
+
+def test_namespaces_past_the_limit_are_refused_with_an_error_naming_it() -> None:
+    c = Cluster(2, max_namespaces=3).start()
+    for i in range(3):
+        assert c.m.add_namespace(f"n{i}", (1, 1, 4)) is True
+    with pytest.raises(InvalidArgument, match=r"cluster.max_namespaces = 3"):
+        c.m.add_namespace("n3", (1, 1, 4))
+    assert c.m.add_namespace("n0", (1, 1, 4)) is False  # a known one is still fine
+    assert c.m.namespace_count == 3
+
+
 def test_no_topology_is_published_before_every_expected_shard_has_registered() -> None:
     c = Cluster(3)
     c.register("shard-0")
@@ -457,7 +500,8 @@ def test_a_recovered_coordinator_serves_the_persisted_topology_at_once_under_its
     # what the coordinator persisted is enough to serve the same topology, under the same epoch, at once
     r = Cluster(3, recovered_epoch=state["epoch"], recovered_level=state["level"],
                 recovered_topology_epoch=state["topology_epoch"], recovered_shards=state["shards"],
-                recovered_namespaces=state["namespaces"], recovered_namespaces_version=state["namespaces_version"])
+                recovered_namespaces=c.m.namespace_part(0, 256),
+                recovered_namespaces_version=state["namespaces_version"])
     assert r.m.published_topology(r.now) == before
     assert r.m.namespaces() == c.m.namespaces()
     r.start()  # the same processes register again: nothing moved, the epoch stays

@@ -7,7 +7,10 @@ the shard's *bulk lane*, a second thread, and its reply comes back to the loop t
 running on the loop meanwhile, and the store encodes and decodes large requests without its lock (kvd.store,
 "Threads"), so a decode step's append is never queued behind a 64 MiB prefill. Requests of one connection
 still start in the order received: while one of its requests is on the bulk lane, the connection's next
-requests follow it there. The bulk lane also compacts the store when it has nothing else to do. The shard's
+requests follow it there. The lane takes its requests from the connections in turn, as the loop does (one
+request of each connection with requests waiting, round-robin), so one connection's pipelined prefills do not
+hold another's behind all of them. The bulk lane also compacts the store when it has nothing else to do. The
+shard's
 ZeroMQ context has two I/O threads, so a connection's bytes do not wait behind every other connection's MiBs
 either.
 """
@@ -37,15 +40,18 @@ _POLLIN, _DONTWAIT = int(zmq.POLLIN), int(zmq.DONTWAIT)
 
 class BulkLane:
     """A shard's second serving thread: runs the requests the loop hands it (those ``_is_bulk`` picks, and reads
-    the store finds large as they run: ``ToBulkLane``) in the order submitted, and the store's compaction when it
-    has none. The loop submits ``(ident, request, frames, size, fd)``; the lane appends ``(ident, reply frames,
+    the store finds large as they run: ``ToBulkLane``), each connection's in the order submitted and the
+    connections in turn, and the store's compaction when it has none. The loop submits ``(ident, request,
+    frames, size, fd)``; the lane appends ``(ident, reply frames,
     size, fd, is_error)`` to :attr:`done` and wakes the loop through an inproc PAIR socket (ZeroMQ sockets stay
     with the threads that use them)."""
 
     def __init__(self, ctx: zmq.Context[Any], reply: Callable[[Any], tuple[list[p.Frame], bool]],
                  idle: Callable[[], bool], *, compact_every: int, tick_s: float, name: str) -> None:
         self.done: collections.deque[tuple[bytes, list[p.Frame], int, int, bool]] = collections.deque()
-        self._jobs: collections.deque[tuple[bytes, Any, list[zmq.Frame], int, int]] = collections.deque()
+        # each connection's jobs in the order submitted, and the connections with jobs in the order they take turns
+        self._jobs: dict[bytes, collections.deque[tuple[bytes, Any, list[zmq.Frame], int, int]]] = {}
+        self._turns: collections.deque[bytes] = collections.deque()
         self._cv = threading.Condition(threading.Lock())
         self._reply, self._idle = reply, idle
         self._compact_every = compact_every  # jobs between idle-work calls while jobs keep coming (0: never)
@@ -63,8 +69,13 @@ class BulkLane:
         ready.wait(5.0)
 
     def submit(self, job: tuple[bytes, Any, list[zmq.Frame], int, int]) -> None:
+        ident = job[0]
         with self._cv:
-            self._jobs.append(job)
+            jobs = self._jobs.get(ident)
+            if jobs is None:
+                jobs = self._jobs[ident] = collections.deque()
+                self._turns.append(ident)
+            jobs.append(job)
             self._cv.notify()
 
     def wait(self, sock: zmq.Socket[Any]) -> None:
@@ -100,7 +111,7 @@ class BulkLane:
                         idle_work = not self._cv.wait(self._tick_s)  # a tick without work: compact again
                     if self._stopping:
                         return
-                    job = self._jobs.popleft() if self._jobs else None
+                    job = self._take() if self._jobs else None
                 if job is None:
                     since_idle = 0
                     idle_work = self._run_idle()
@@ -118,6 +129,17 @@ class BulkLane:
                     self._run_idle()
         finally:
             tx.close(0)
+
+    def _take(self) -> tuple[bytes, Any, list[zmq.Frame], int, int]:
+        """(Under the lock) the oldest job of the connection whose turn it is; that connection goes to the back."""
+        ident = self._turns.popleft()
+        jobs = self._jobs[ident]
+        job = jobs.popleft()
+        if jobs:
+            self._turns.append(ident)
+        else:
+            del self._jobs[ident]
+        return job
 
     def _run_idle(self) -> bool:
         try:

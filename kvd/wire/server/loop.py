@@ -11,13 +11,22 @@ a receiving thread and a store thread costs about as much as a whole loopback ro
 it. The store's kernels release the GIL, so other threads of the process (the Ray actor, metrics readers) run
 while a page is encoded.
 
-*Admission (the busy policy).* Each turn of the loop first drains every message ZeroMQ has ready into a bounded
-FIFO (``max_queued_requests`` requests, ``max_queued_bytes`` bytes; one request is always admitted into an empty
-queue whatever its size). A message that does not fit is answered ``Busy`` (code 13) at once: only its
-request id is read, it is not executed, and its buffers are freed. Then the oldest queued request runs and is
-answered, and the loop drains again. So under overload a request gets ``Busy`` within the time of the
-operation in progress, never silence; requests of one connection start in the order received; and the
-memory held by received requests is bounded by ``max_queued_bytes``.
+*Admission (the busy policy).* Each turn of the loop first drains every message ZeroMQ has ready into its
+peer's queue (one FIFO per connection), bounded for all peers together (``max_queued_requests`` requests,
+``max_queued_bytes`` bytes; one request is always admitted when nothing is queued, whatever its size) and for
+each peer (``max_peer_requests``, counting its requests on the bulk lane). A message over its peer's bound is
+answered ``Busy`` (code 13) at once: only its request id is read (within the header's first 4 KiB, so a
+refusal costs the same whatever the request's size), it is not executed, and its buffers are
+freed. When the shared bound is full, a request of a peer that holds fewer than the heaviest peer takes that
+peer's newest queued request's place, which is answered ``Busy`` instead: a peer that floods is refused, not
+the peers it would crowd out. Then one request runs and is answered, taken from the peers *in turn*
+(round-robin over the peers with requests queued), and the loop drains again. So a request waits for at most
+one request of every other peer with requests queued, however many one of them pipelines (a client pipelining
+1,500 ``lengths`` of 4,096 ids took another's p99 from 17 ms to 439 ms behind one shared FIFO; BENCHMARKS.md,
+"Wire", "Fairness"); under overload a request gets ``Busy`` once it is read, never silence; requests of one
+connection start in the order received; and the memory held by received requests is bounded by
+``max_queued_bytes``. The requests still queued for a peer that is gone (its reply met
+EHOSTUNREACH) are dropped unexecuted (``requests_abandoned``): nobody would read their replies.
 
 *What peers make ZeroMQ hold* is bounded per server by :class:`~kvd.wire.sockets.ConnectionGuard`: ZeroMQ
 assembles a whole multipart message before the loop sees it (``MAXMSGSIZE`` bounds a frame, not a message),
@@ -51,7 +60,6 @@ import threading
 import time
 from typing import Any
 
-import msgpack
 import zmq
 import zmq.auth
 import zmq.backend
@@ -65,13 +73,16 @@ from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig
 from kvd.wire.server.lane import BulkLane
 from kvd.wire.sockets import HANDSHAKE_TIMEOUT_S, ConnectionGuard, recv_frames, send_frames, socket_buffer_cap
 
-__all__ = ["DEFAULT_HWM", "DEFAULT_LINGER_S", "DEFAULT_MAX_QUEUED_BYTES", "DEFAULT_MAX_QUEUED_REQUESTS",
-           "IDLE_TICK_S", "MIN_SOCKET_BUFFER_BYTES", "RouterServer", "ToBulkLane"]
+__all__ = ["DEFAULT_HWM", "DEFAULT_LINGER_S", "DEFAULT_MAX_PEER_REQUESTS", "DEFAULT_MAX_QUEUED_BYTES",
+           "DEFAULT_MAX_QUEUED_REQUESTS", "IDLE_TICK_S", "MIN_SOCKET_BUFFER_BYTES", "RouterServer", "ToBulkLane"]
 
 log = logging.getLogger("kvd.wire.server")
 
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_QUEUED_BYTES = 256 * 1024 * 1024
+# One peer's requests queued or on the bulk lane: four times a client's pipelining window (kvd.client's
+# DEFAULT_WINDOW, 64), a quarter of the shared queue, so no one peer can take the whole queue.
+DEFAULT_MAX_PEER_REQUESTS = 256
 DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader beyond it are dropped
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
@@ -84,6 +95,7 @@ RATE_WINDOW_S = 10
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
 _EVENTS, _RCVMORE, _SRCFD = int(zmq.EVENTS), int(zmq.RCVMORE), int(zmq.SRCFD)
 _DONTWAIT = int(zmq.DONTWAIT)
+_EHOSTUNREACH = int(zmq.EHOSTUNREACH)
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _get = zmq.backend.Socket.get
 _send = zmq.backend.Socket.send
@@ -98,6 +110,7 @@ class _Metrics:
         self.requests = self.errors = self.busy = self.bytes_in = self.bytes_out = 0
         self.replies_dropped = self.queue_peak = self.compactions = self.compacted_bytes = 0
         self.replies_over_budget = self.bulk_requests = 0
+        self.busy_share = self.requests_abandoned = 0
         self._stamp = [0] * RATE_WINDOW_S
         self._count = [0] * RATE_WINDOW_S
 
@@ -116,8 +129,10 @@ class _Metrics:
         return total / span
 
     def snapshot(self, queue_depth: int, queued_bytes: int, peers_cut: int, replies_held: int,
-                 bulk_depth: int) -> dict[str, Any]:
+                 bulk_depth: int, peers_queued: int) -> dict[str, Any]:
         return {"requests": self.requests, "errors": self.errors, "busy": self.busy,
+                "busy_share": self.busy_share, "requests_abandoned": self.requests_abandoned,
+                "peers_queued": peers_queued,
                 "bulk_requests": self.bulk_requests, "bulk_depth": bulk_depth,
                 "requests_per_s": round(self.rate(), 3), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "replies_dropped": self.replies_dropped, "replies_over_budget": self.replies_over_budget,
@@ -125,6 +140,16 @@ class _Metrics:
                 "queue_depth": queue_depth, "queued_bytes": queued_bytes,
                 "queue_peak": self.queue_peak, "compactions": self.compactions,
                 "compacted_bytes": self.compacted_bytes, "uptime_s": round(time.monotonic() - self.started, 3)}
+
+
+class _PeerQueue:
+    """One connection's admitted requests, oldest first: ``(frames, size, fd)``, and their bytes."""
+
+    __slots__ = ("nbytes", "requests")
+
+    def __init__(self) -> None:
+        self.requests: collections.deque[tuple[list[zmq.Frame], int, int]] = collections.deque()
+        self.nbytes = 0
 
 
 class ToBulkLane(Exception):
@@ -143,7 +168,8 @@ class RouterServer:
                  max_queued_requests: int, max_queued_bytes: int, hwm: int,
                  heartbeat_ivl_s: float, heartbeat_timeout_s: float, linger_s: float,
                  max_inbound_bytes: int | None = None, max_reply_bytes: int | None = None,
-                 guard_interval_s: float = GUARD_INTERVAL_S, socket_buffer_bytes: int = 0) -> None:
+                 guard_interval_s: float = GUARD_INTERVAL_S, socket_buffer_bytes: int = 0,
+                 max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS) -> None:
         if curve is not None and not isinstance(curve, CurveConfig):
             raise ConfigError(f"curve must be a CurveConfig, got {type(curve).__name__}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -156,7 +182,8 @@ class RouterServer:
         if max_reply_bytes is None:
             max_reply_bytes = 2 * self._limits.max_message_bytes
         for name, value in (("max_queued_requests", max_queued_requests), ("max_queued_bytes", max_queued_bytes),
-                            ("hwm", hwm), ("max_inbound_bytes", max_inbound_bytes),
+                            ("max_peer_requests", max_peer_requests), ("hwm", hwm),
+                            ("max_inbound_bytes", max_inbound_bytes),
                             ("max_reply_bytes", max_reply_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -176,10 +203,15 @@ class RouterServer:
         self._guard: ConnectionGuard | None = None
         self._curve = curve
         self._max_queued, self._max_queued_bytes, self._hwm = max_queued_requests, max_queued_bytes, hwm
+        self._max_peer = max_peer_requests
         self._heartbeat = (heartbeat_ivl_s, heartbeat_timeout_s)
         self._linger_ms = int(linger_s * 1000)
         self._metrics = _Metrics()
-        self._queue: collections.deque[tuple[bytes, list[Any], int, int]] = collections.deque()
+        # admission (loop thread only): each connection's FIFO of (frames, size, fd), and the connections with
+        # requests queued in the order they take turns; _queued counts the requests of all of them
+        self._peers: dict[bytes, _PeerQueue] = {}
+        self._turns: collections.deque[bytes] = collections.deque()
+        self._queued = 0
         self._queued_bytes = 0
         self._endpoint: str | None = None
         self._thread: threading.Thread | None = None
@@ -228,19 +260,23 @@ class RouterServer:
                 log.warning("%s at %s did not stop within %s s", self._NAME, self._endpoint, timeout_s)
 
     def metrics(self) -> dict[str, Any]:
-        """Counters: requests (messages received), errors (error replies, Busy excluded), busy,
+        """Counters: requests (messages received), errors (error replies, Busy excluded), busy (of those:
+        busy_share, refused because their peer was over its share), requests_abandoned (queued for a peer that
+        left: not executed), peers_queued (connections with requests queued now),
         requests_per_s (over the last 10 s), bulk_requests (run on a shard's bulk lane), bulk_depth (waiting or
         running on it now; counted in queue_depth),
         bytes_in / bytes_out (frames after the identity),
         replies_dropped (peer gone or not reading, or over the reply budget), replies_over_budget (of those: over
         ``max_reply_bytes``), peers_cut (by the connection guard), replies_held_bytes (replies not yet in the
         kernel, last look), queue_depth, queued_bytes, queue_peak, compactions, compacted_bytes, uptime_s,
-        socket_buffer_bytes (each connection's TCP buffers as asked of the kernel; 0: the system's, autotuned)."""
+        socket_buffer_bytes (each connection's TCP buffers as asked of the kernel; 0: the system's, autotuned),
+        max_reply_bytes (the reply budget in force)."""
         guard = self._guard
-        out = self._metrics.snapshot(len(self._queue) + self._bulk_pending, self._queued_bytes,
+        out = self._metrics.snapshot(self._queued + self._bulk_pending, self._queued_bytes,
                                      guard.cuts if guard else 0, guard.held_total if guard else 0,
-                                     self._bulk_pending)
+                                     self._bulk_pending, len(self._peers))
         out["socket_buffer_bytes"] = self._socket_buffer
+        out["max_reply_bytes"] = self._max_reply
         return out
 
     def __enter__(self) -> RouterServer:
@@ -374,12 +410,11 @@ class RouterServer:
     def _turn(self, sock: zmq.Socket[Any], idle_work: bool) -> bool:
         """One turn: receive (blocking only when idle), admit everything ready, run the oldest request (or hand
         it to the bulk lane). Returns whether idle work (compaction) remains."""
-        queue = self._queue
         guard = self._guard
         lane = self._lane
         if lane is not None and self._bulk_pending:
             self._deliver(sock, lane)
-        if not queue:
+        if not self._queued:
             if lane is not None and self._bulk_pending:  # wait for a message or for the bulk lane's next reply
                 lane.wait(sock)
                 self._deliver(sock, lane)
@@ -402,9 +437,9 @@ class RouterServer:
                 break
             self._admit(sock, recv_frames(sock))
             n += 1
-        if not queue:
+        if not self._queued:
             return idle_work
-        ident, frames, size, fd = queue.popleft()
+        ident, frames, size, fd = self._next()
         reply = self._run(frames, ident, size, fd)
         del frames  # the request's buffers go before the reply is sent
         if reply is None:  # on the bulk lane: its bytes stay queued until it is answered
@@ -452,6 +487,7 @@ class RouterServer:
         metrics.tick(time.monotonic())
         ident = msg[0].bytes
         frames = msg[1:]
+        del msg  # (a refused request's buffers are freed as soon as it is answered)
         lens = [len(f) for f in frames]
         size = sum(lens)
         metrics.bytes_in += size
@@ -460,21 +496,102 @@ class RouterServer:
         if guard is not None:  # what the loop took from this connection (ZeroMQ no longer holds it)
             fd = frames[0].get(_SRCFD)
             guard.took(fd, lens)
-        queue = self._queue
-        depth = len(queue) + self._bulk_pending
-        if depth and (depth >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes):
-            metrics.busy += 1
-            rid = _peek_id(frames)
-            del msg, frames
-            self._send(sock, ident, p.encode_reply(p.ErrorReply(
-                request_id=rid, code=Busy.code, error="Busy",
-                message=f"server queue full ({depth} request{'s' if depth != 1 else ''}, {self._queued_bytes} "
-                        "bytes queued); the request was not executed: retry after a short backoff")), fd)
-            return
-        queue.append((ident, frames, size, fd))
+        peer = self._peers.get(ident)
+        held = (len(peer.requests) if peer is not None else 0) + self._bulk_owed.get(ident, 0)
+        depth = self._queued + self._bulk_pending
+        if depth:
+            if held >= self._max_peer:
+                metrics.busy_share += 1
+                self._refuse(sock, ident, frames, fd,
+                             f"this connection has {held} requests queued, its share of the server's queue "
+                             f"(max_peer_requests {self._max_peer})")
+                return
+            if (depth >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes) \
+                    and not self._make_room(sock, ident, held, size):
+                self._refuse(sock, ident, frames, fd,
+                             f"server queue full ({depth} request{'s' if depth != 1 else ''}, "
+                             f"{self._queued_bytes} bytes queued)")
+                return
+            depth = self._queued + self._bulk_pending
+        if peer is None:
+            peer = self._peers[ident] = _PeerQueue()
+            self._turns.append(ident)
+        peer.requests.append((frames, size, fd))
+        peer.nbytes += size
+        self._queued += 1
         self._queued_bytes += size
         if depth + 1 > metrics.queue_peak:
             metrics.queue_peak = depth + 1
+
+    def _refuse(self, sock: zmq.Socket[Any], ident: bytes, frames: list[zmq.Frame], fd: int, why: str) -> None:
+        """Answer a request ``Busy`` without running it (its buffers go first)."""
+        self._metrics.busy += 1
+        rid = _peek_id(frames)
+        del frames[:]
+        self._send(sock, ident, p.encode_reply(p.ErrorReply(
+            request_id=rid, code=Busy.code, error="Busy",
+            message=f"{why}; the request was not executed: retry after a short backoff")), fd)
+
+    def _make_room(self, sock: zmq.Socket[Any], ident: bytes, held: int, size: int) -> bool:
+        """The shared queue is full: refuse (``Busy``) the newest queued requests of the peers that hold more than
+        the arriving request's peer, heaviest first, until the request fits. False if it cannot (its peer is
+        among the heaviest: it is the one over its share)."""
+        own = self._peers.get(ident)
+        own_bytes = (own.nbytes if own is not None else 0) + size
+        metrics = self._metrics
+        while self._queued + self._bulk_pending >= self._max_queued \
+                or self._queued_bytes + size > self._max_queued_bytes:
+            by_bytes = self._queued + self._bulk_pending < self._max_queued
+            victim, most = None, (own_bytes if by_bytes else held + 1)
+            for other, queue in self._peers.items():
+                weight = queue.nbytes if by_bytes else len(queue.requests) + self._bulk_owed.get(other, 0)
+                if other != ident and weight > most and queue.requests:
+                    victim, most = other, weight
+            if victim is None:
+                return False
+            queue = self._peers[victim]
+            frames, vsize, vfd = queue.requests.pop()
+            self._dequeued(victim, queue, vsize)
+            metrics.busy_share += 1
+            self._refuse(sock, victim, frames, vfd,
+                         "this connection holds more of the server's full queue than others; its newest request "
+                         "made room for another connection's")
+        return True
+
+    def _next(self) -> tuple[bytes, list[zmq.Frame], int, int]:
+        """The next request to run: the oldest of the peer whose turn it is; that peer goes to the back."""
+        turns = self._turns
+        ident = turns.popleft()
+        queue = self._peers[ident]
+        frames, size, fd = queue.requests.popleft()
+        queue.nbytes -= size
+        self._queued -= 1
+        if queue.requests:
+            turns.append(ident)
+        else:
+            del self._peers[ident]
+        return ident, frames, size, fd
+
+    def _dequeued(self, ident: bytes, queue: _PeerQueue, size: int) -> None:
+        """Bookkeeping for a request taken out of ``queue`` without running (its bytes leave the queue)."""
+        queue.nbytes -= size
+        self._queued -= 1
+        self._queued_bytes -= size
+        if not queue.requests:
+            del self._peers[ident]
+            self._turns.remove(ident)
+
+    def _abandon(self, ident: bytes) -> None:
+        """The peer is gone: its queued requests are dropped unexecuted (nobody would read their replies)."""
+        queue = self._peers.pop(ident, None)
+        if queue is None:
+            return
+        n = len(queue.requests)
+        self._queued -= n
+        self._queued_bytes -= queue.nbytes
+        self._metrics.requests_abandoned += n
+        queue.requests.clear()
+        self._turns.remove(ident)
 
     def _run(self, frames: list[zmq.Frame], ident: bytes, size: int, fd: int) -> list[p.Frame] | None:
         """Parse, execute and encode: the reply frames; or None when the request went to the bulk lane (its
@@ -546,6 +663,8 @@ class RouterServer:
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer left; EAGAIN: it is not reading (SNDHWM)
             self._metrics.replies_dropped += 1
             log.debug("%s: reply dropped (%s)", self._NAME, exc)
+            if exc.errno == _EHOSTUNREACH:
+                self._abandon(ident)
             return
         self._metrics.bytes_out += send_frames(sock, frames)
         if lens is not None and guard is not None:
@@ -566,14 +685,10 @@ class RouterServer:
 
 
 def _peek_id(frames: list[zmq.Frame]) -> int | None:
-    """The request id of a message to refuse, if its header has a readable one (a bounded, cheap decode)."""
+    """The request id of a message to refuse, if its header has a readable one: read within the header's first
+    4 KiB (:func:`kvd.wire.protocol.salvage_request_id`), so refusing a flood of 4,096-id ``lengths`` does not
+    decode 4,096 ids each."""
     try:
-        head = frames[0].buffer
-        if len(head) > p.DEFAULT_MAX_HEADER_BYTES:
-            return None
-        header = msgpack.unpackb(head, raw=False, strict_map_key=True, max_ext_len=0, max_bin_len=0,
-                                 max_array_len=p.DEFAULT_MAX_PAGES, max_map_len=p.MAX_STATS_KEYS)
-        rid = header.get("id") if isinstance(header, dict) else None
+        return p.salvage_request_id(frames[0].buffer)
     except Exception:  # noqa: BLE001 - anything unreadable has no id
         return None
-    return rid if type(rid) is int and 0 <= rid <= p.MAX_REQUEST_ID else None

@@ -25,6 +25,7 @@ from kvd.wire.routing import Router
 from kvd.wire.server.loop import (
     DEFAULT_HWM,
     DEFAULT_LINGER_S,
+    DEFAULT_MAX_PEER_REQUESTS,
     DEFAULT_MAX_QUEUED_BYTES,
     DEFAULT_MAX_QUEUED_REQUESTS,
     RouterServer,
@@ -32,8 +33,8 @@ from kvd.wire.server.loop import (
 )
 from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, is_loopback, tune_malloc
 
-__all__ = ["BULK_MIN_BYTES", "COMPACT_STEP_BYTES", "LOOPBACK_SOCKET_BUFFER_BYTES", "PACK_REPLY_MAX_BYTES",
-           "ShardServer"]
+__all__ = ["BULK_MIN_BYTES", "COMPACT_STEP_BYTES", "LOOPBACK_SOCKET_BUFFER_BYTES", "MIN_REPLY_BUDGET_BYTES",
+           "PACK_REPLY_MAX_BYTES", "REPLY_BUDGET_PER_CAPACITY", "ShardServer", "default_reply_budget"]
 
 log = logging.getLogger("kvd.wire.server")
 
@@ -47,8 +48,21 @@ COMPACT_STEP_BYTES = 1 << 20  # compaction takes the store's lock for at most ab
 # together: a frame's own cost matters for small replies only, and a large reply moves faster as two frames (ZeroMQ
 # sends one while it takes the next; 32 MiB gets 8 in flight: 0.83x raw ZeroMQ as one frame, 0.92x as two).
 PACK_REPLY_MAX_BYTES = 1 << 20
+# The reply budget by default (max_reply_bytes: unread replies held for all peers together) is the largest reply
+# the store can give: its whole capacity at q4 read back as fp16 (3.6x), so 4x capacity; at least 64 MiB, at most
+# the loop's own default (2 x max_message_bytes, 1 GiB). A 64 MiB store's slow readers held 675-821 MiB of
+# replies under a budget of 1 GiB.
+REPLY_BUDGET_PER_CAPACITY = 4
+MIN_REPLY_BUDGET_BYTES = 64 << 20
 _OWNER_CACHE = 65536  # sequences whose owner a shard remembers (per routing)
 _START_UP_OPS = (p.HelloRequest, p.PingRequest, p.StatsRequest)  # served while a shard is starting
+
+
+def default_reply_budget(capacity_bytes: int, limits: p.Limits) -> int:
+    """A shard's ``max_reply_bytes`` by default: ``REPLY_BUDGET_PER_CAPACITY`` x the store's capacity (its
+    largest reply), at least ``MIN_REPLY_BUDGET_BYTES``, at most 2 x ``max_message_bytes``."""
+    budget = max(MIN_REPLY_BUDGET_BYTES, REPLY_BUDGET_PER_CAPACITY * capacity_bytes)
+    return min(2 * limits.max_message_bytes, budget)
 
 
 class ShardServer(RouterServer):
@@ -59,13 +73,16 @@ class ShardServer(RouterServer):
     Options (keyword-only): ``limits`` (the protocol limits enforced and announced), ``curve`` (a server
     :class:`CurveConfig`: encryption and the client allow-list), ``compact_budget_bytes`` (per compaction step),
     ``compact_every`` (requests between compaction steps under load), ``max_queued_requests`` /
-    ``max_queued_bytes`` (admission; beyond them requests get ``Busy``), ``hwm`` (ZeroMQ SNDHWM/RCVHWM per peer),
+    ``max_queued_bytes`` / ``max_peer_requests`` (admission, shared and per connection; beyond them requests get
+    ``Busy``: :mod:`kvd.wire.server.loop`), ``hwm`` (ZeroMQ SNDHWM/RCVHWM per peer),
     ``heartbeat_ivl_s`` / ``heartbeat_timeout_s``, ``linger_s``, ``recycle_memory`` (:meth:`start` calls
     :func:`tune_malloc`, process-wide: meant for a process that hosts shards), ``socket_buffer_bytes`` (each
     connection's TCP send and receive buffer; 0: the system's, autotuned; None, the default:
     ``LOOPBACK_SOCKET_BUFFER_BYTES`` when ``host`` is a loopback address, else 0. Smaller buffers make ZeroMQ's
     I/O threads move a prefill's MiBs in shorter turns, so a decode step waits less behind them, but cap one
-    connection's throughput at about a buffer per network round trip: docs/design.md).
+    connection's throughput at about a buffer per network round trip: docs/design.md), ``max_reply_bytes``
+    (replies held for peers that do not read, all together; None, the default: :func:`default_reply_budget` of
+    the store's capacity).
 
     In a cluster (kvd.cluster.shard): ``incarnation`` (this process's id, told to a ``hello`` that asks and
     checked against an ``append`` that names one), ``on_register`` (called with ``(namespace, (layers,
@@ -86,13 +103,17 @@ class ShardServer(RouterServer):
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  linger_s: float = DEFAULT_LINGER_S, recycle_memory: bool = True, incarnation: str | None = None,
                  on_register: Callable[[str, tuple[int, int, int]], None] | None = None,
-                 starting: bool = False, socket_buffer_bytes: int | None = None) -> None:
+                 starting: bool = False, socket_buffer_bytes: int | None = None,
+                 max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS, max_reply_bytes: int | None = None) -> None:
         if socket_buffer_bytes is None:
             socket_buffer_bytes = LOOPBACK_SOCKET_BUFFER_BYTES if is_loopback(host) else 0
+        if max_reply_bytes is None:
+            max_reply_bytes = default_reply_budget(store.capacity_bytes, limits or p.DEFAULT_LIMITS)
         super().__init__(host=host, port=port, limits=limits, curve=curve, max_queued_requests=max_queued_requests,
                          max_queued_bytes=max_queued_bytes, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
                          heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s,
-                         socket_buffer_bytes=socket_buffer_bytes)
+                         socket_buffer_bytes=socket_buffer_bytes, max_peer_requests=max_peer_requests,
+                         max_reply_bytes=max_reply_bytes)
         self._store = store
         self._pack_frame_bytes = min(PACK_FRAME_BYTES, self._limits.max_frame_bytes)  # packed pages replies
         self._pack_reply_bytes = min(PACK_REPLY_MAX_BYTES, self._limits.max_frame_bytes)  # packed fp16 replies

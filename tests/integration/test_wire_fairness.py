@@ -1,0 +1,180 @@
+"""One client does not starve the others (issue 32, section 4): a shard in another process, a client that
+floods it with pipelined requests and a polite one that sends one request at a time, over real sockets.
+
+What the polite client relies on: its request runs after at most one request of each other connection, not
+after everything a flooder queued; it is not refused because another connection filled the queue; and the
+flooder, not the polite client, is answered ``Busy`` past its share. Orders are observed through the store
+itself (a flood of ``lengths`` that name the polite client's sequence tells, request by request, whether it ran
+before or after the polite append), never through wall-clock times.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from kvd.errors import Busy
+from kvd.wire import protocol as p
+
+from test_wire import LAYOUT, NS, ServerProcess, kv, raw_dealer, request  # isort: skip
+
+pytestmark = pytest.mark.integration
+
+IDS = 4096  # ids per flood `lengths` request (the issue's hostile client)
+
+
+def _lengths(i: int) -> list[bytes]:
+    return p.encode_request(p.LengthsRequest(request_id=i, namespace=NS,
+                                             seq_ids=("polite", *(f"x{j}" for j in range(IDS - 1)))))
+
+
+def _flood(ctx: zmq.Context[Any], endpoint: str, n: int) -> zmq.Socket[Any]:
+    sock = raw_dealer(ctx, endpoint, SNDHWM=0, RCVHWM=0)  # the client queues what the server does not take yet
+    frames = _lengths(7)  # one request, sent n times (encoding 4,096 ids n times costs the test minutes)
+    for _ in range(n):
+        sock.send_multipart(frames)
+    return sock
+
+
+def _replies(sock: zmq.Socket[Any], n: int) -> list[Any]:
+    out: list[Any] = []
+    while len(out) < n:  # every request is answered: executed or Busy, never silence
+        assert sock.poll(60_000), f"only {len(out)} of {n} replies"
+        reply = p.decode_reply(sock.recv_multipart())
+        assert reply.request_id == 7
+        out.append(reply)
+    return out
+
+
+def _queued_at_least(server: ServerProcess, depth: int) -> dict[str, Any]:
+    while True:  # readiness: the flood is received and queued (it only grows until the server has it all)
+        metrics = server.metrics()
+        if metrics["queue_depth"] >= depth:
+            return metrics
+        assert server.alive()
+
+
+@pytest.mark.timeout(180)
+def test_a_polite_request_runs_ahead_of_a_flooders_queue_and_the_flooder_gets_busy_past_its_share() -> None:
+    server = ServerProcess("fair", server={"max_peer_requests": 128})
+    ctx = zmq.Context()
+    try:
+        polite = raw_dealer(ctx, server.endpoint)
+        assert isinstance(request(polite, p.RegisterRequest(request_id=1, namespace=NS, **LAYOUT)),
+                          p.RegisterReply)
+        n = 1500
+        flood = _flood(ctx, server.endpoint, n)
+        queued = _queued_at_least(server, 100)["queue_depth"]
+        k, v = kv(tokens=1, seed=1)
+        reply = request(polite, p.AppendRequest(request_id=2, namespace=NS, seq_id="polite", keys=k, values=v),
+                        timeout_s=60)
+        assert isinstance(reply, p.AppendReply), reply  # never Busy: the polite client is within its share
+        replies = _replies(flood, n)
+        ran = [r for r in replies if isinstance(r, p.LengthsReply)]
+        busy = [r for r in replies if isinstance(r, p.ErrorReply) and r.code == Busy.code]
+        assert len(ran) + len(busy) == n
+        after = sum(r.lengths[0] == 1 for r in ran)  # flood requests that ran after the polite append
+        # one shared FIFO ran every flood request queued before the append first (after == 0); in turns, the
+        # append waits for one flood request, so nearly all of the queue runs after it
+        assert after >= queued // 2, f"{after} flood requests ran after the polite append; {queued} were queued"
+        metrics = server.metrics()
+        assert busy and metrics["busy_share"] == len(busy)  # refused for its share, not for a full queue
+        assert "its share" in busy[0].message and "not executed" in busy[0].message
+        assert metrics["queue_peak"] <= 128 + 1 + 1  # the flooder's share, the polite append, one in progress
+    finally:
+        ctx.destroy(linger=0)
+        server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_full_queue_refuses_the_heaviest_connection_not_the_newcomer() -> None:
+    """The shared queue's bytes are kept full by one flooder (it sends a request again for every reply): a
+    polite client's requests, each larger than a flood request (so larger than the room one flood request
+    leaves as it runs), all get in, in place of the flooder's newest queued requests, answered Busy instead."""
+    flood_bytes = sum(len(f) for f in _lengths(0))
+    server = ServerProcess("full", server={"max_queued_bytes": 40 * flood_bytes})
+    ctx = zmq.Context()
+    stop = threading.Event()
+    flood_replies: list[Any] = []
+
+    sent = [200]
+    again = _lengths(7)
+
+    def keep_flooding(sock: zmq.Socket[Any]) -> None:
+        while not stop.is_set():
+            if sock.poll(50):
+                flood_replies.append(p.decode_reply(sock.recv_multipart()))
+                sock.send_multipart(again)
+                sent[0] += 1
+
+    try:
+        polite = raw_dealer(ctx, server.endpoint)
+        assert isinstance(request(polite, p.RegisterRequest(request_id=1, namespace=NS, **LAYOUT)),
+                          p.RegisterReply)
+        flood = _flood(ctx, server.endpoint, 200)
+        flooder = threading.Thread(target=keep_flooding, args=(flood,), daemon=True)
+        flooder.start()
+        _queued_at_least(server, 36)
+        k, v = kv(tokens=2 * flood_bytes // 256 + 8, seed=2)  # 256 bytes a token: over twice a flood request
+        assert k.nbytes + v.nbytes > 2 * flood_bytes
+        for i in range(20):
+            reply = request(polite, p.AppendRequest(request_id=10 + i, namespace=NS, seq_id=f"polite{i}", keys=k,
+                                                    values=v), timeout_s=60)
+            assert isinstance(reply, p.AppendReply), reply  # never Busy, though the queue is full
+        stop.set()
+        flooder.join(10)
+        # every flood request is answered, but replies past the server's SNDHWM to a reader as slow as this
+        # thread are dropped (replies_dropped): read what came
+        while len(flood_replies) + server.metrics()["replies_dropped"] < sent[0]:
+            assert flood.poll(60_000), f"{len(flood_replies)} of {sent[0]} flood replies"
+            flood_replies.append(p.decode_reply(flood.recv_multipart()))
+        while flood.poll(0):
+            flood_replies.append(p.decode_reply(flood.recv_multipart()))
+        made_room = [r for r in flood_replies if isinstance(r, p.ErrorReply) and "made room" in r.message]
+        assert made_room, "no flood request was refused to make room for a polite one"
+        for r in made_room:  # a request refused to make room did not run: the flooder may resend it
+            assert r.code == Busy.code and "not executed" in r.message
+    finally:
+        stop.set()
+        ctx.destroy(linger=0)
+        server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_the_requests_of_a_connection_that_left_are_not_run() -> None:
+    """1 MiB gets pipelined by a peer that then leaves: once a reply meets the closed connection, its other
+    queued requests are dropped unexecuted, and a polite client is served throughout."""
+    server = ServerProcess("gone", server={"hwm": 1024})
+    ctx = zmq.Context()
+    ghost_ctx = zmq.Context()
+    try:
+        polite = raw_dealer(ctx, server.endpoint)
+        assert isinstance(request(polite, p.RegisterRequest(request_id=1, namespace=NS, **LAYOUT)),
+                          p.RegisterReply)
+        k, v = kv(tokens=8192, seed=3)  # 1 MiB of keys + values per get reply
+        assert isinstance(request(polite, p.AppendRequest(request_id=2, namespace=NS, seq_id="big", keys=k,
+                                                          values=v)), p.AppendReply)
+        ghost = raw_dealer(ghost_ctx, server.endpoint, SNDHWM=0)
+        n = 200
+        before = server.metrics()["requests"]
+        for i in range(n):
+            ghost.send_multipart(p.encode_request(p.GetRequest(request_id=i, namespace=NS, seq_id="big")))
+        ghost.close(linger=20_000)  # the requests are written out first, then the connection is closed
+        ghost_ctx.term()
+        while server.metrics()["requests"] < before + n:  # readiness: the server has every request
+            assert server.alive()
+        reply = request(polite, p.GetRequest(request_id=3, namespace=NS, seq_id="big", start=0, end=5))
+        assert isinstance(reply, p.GetReply) and np.array_equal(reply.keys, k[:, :5])
+        while server.metrics()["queue_depth"]:  # readiness: the ghost's requests ran or were dropped
+            assert server.alive()
+        metrics = server.metrics()
+        assert metrics["requests_abandoned"] > 0
+        assert metrics["requests_abandoned"] + metrics["replies_dropped"] <= n + 1
+    finally:
+        ghost_ctx.destroy(linger=0)
+        ctx.destroy(linger=0)
+        server.stop()
