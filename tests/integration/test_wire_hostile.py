@@ -180,6 +180,35 @@ def test_a_vanished_client_does_not_disturb_the_server() -> None:
 
 
 @pytest.mark.timeout(90)
+def test_clients_that_pipeline_gets_and_leave_do_not_bring_the_shard_down() -> None:
+    """A client pipelines many gets and closes its connection without reading, again and again. With an inbound
+    high-water mark, libzmq 4.3.5 stopped reading such a peer and then, seeing it close while replies to it were
+    pending, aborted the whole shard (an assertion in its I/O thread) within seconds."""
+    server = ServerProcess("leavers")
+    try:
+        with Client(server.endpoint, timeout_s=30) as c:
+            c.register(NS, **LAYOUT)
+            k, v = kv(tokens=2048, seed=3)  # a 512 KiB reply per get
+            c.append(NS, "big", k, v)
+            frames = p.encode_request(p.GetRequest(request_id=1, namespace=NS, seq_id="big"))
+            deadline = time.monotonic() + 8
+            rounds = 0
+            while time.monotonic() < deadline:
+                ctx = zmq.Context()
+                leaver = raw_dealer(ctx, server.endpoint, SNDHWM=0)
+                for _ in range(500):
+                    leaver.send_multipart(frames)
+                leaver.close(linger=5000)
+                ctx.term()  # returns once the requests have left; then the connection is gone
+                rounds += 1
+                assert server.alive(), f"the shard died after {rounds} clients that left"
+            assert set(c.ping()) == {"leavers"} and c.length(NS, "big") == 2048
+        assert server.alive()
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(90)
 def test_a_slow_reader_is_bounded_by_its_high_water_mark() -> None:
     server = ServerProcess("slow", server={"hwm": 4})
     ctx = zmq.Context()

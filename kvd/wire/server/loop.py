@@ -83,7 +83,7 @@ DEFAULT_MAX_QUEUED_BYTES = 256 * 1024 * 1024
 # One peer's requests queued or on the bulk lane: four times a client's pipelining window (kvd.client's
 # DEFAULT_WINDOW, 64), a quarter of the shared queue, so no one peer can take the whole queue.
 DEFAULT_MAX_PEER_REQUESTS = 256
-DEFAULT_HWM = 64  # messages per peer and direction; replies to a slow reader beyond it are dropped
+DEFAULT_HWM = 64  # replies per peer (SNDHWM); replies to a slow reader beyond it are dropped
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
 DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
@@ -294,7 +294,11 @@ class RouterServer:
         # the transport cut for one frame: a peer cannot make us buffer more than the largest legal frame
         sock.setsockopt(zmq.MAXMSGSIZE, max(self._limits.max_frame_bytes, self._limits.max_header_bytes))
         sock.setsockopt(zmq.SNDHWM, self._hwm)
-        sock.setsockopt(zmq.RCVHWM, self._hwm)
+        # No inbound limit in ZeroMQ: libzmq 4.3.5 aborts the process (`!_io_error`, stream_engine_base.cpp) when a
+        # peer whose input it stopped at RCVHWM closes while replies to it are pending (libzmq issue 4841), which
+        # any client that pipelines gets and leaves can make happen. What peers make ZeroMQ hold inbound is
+        # bounded by the guard instead (max_inbound_bytes), and each peer's share by admission (Busy).
+        sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.LINGER, self._linger_ms)
         ivl, timeout = self._heartbeat
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(ivl * 1000))

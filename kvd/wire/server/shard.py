@@ -74,7 +74,7 @@ class ShardServer(RouterServer):
     :class:`CurveConfig`: encryption and the client allow-list), ``compact_budget_bytes`` (per compaction step),
     ``compact_every`` (requests between compaction steps under load), ``max_queued_requests`` /
     ``max_queued_bytes`` / ``max_peer_requests`` (admission, shared and per connection; beyond them requests get
-    ``Busy``: :mod:`kvd.wire.server.loop`), ``hwm`` (ZeroMQ SNDHWM/RCVHWM per peer),
+    ``Busy``: :mod:`kvd.wire.server.loop`), ``hwm`` (ZeroMQ SNDHWM per peer: replies a peer does not read),
     ``heartbeat_ivl_s`` / ``heartbeat_timeout_s``, ``linger_s``, ``recycle_memory`` (:meth:`start` calls
     :func:`tune_malloc`, process-wide: meant for a process that hosts shards), ``socket_buffer_bytes`` (each
     connection's TCP send and receive buffer; 0: the system's, autotuned; None, the default:
