@@ -91,8 +91,11 @@ def test_a_repeated_prompt_is_served_from_kvd(model_folder: Path, tmp_path: Path
             time.sleep(0.1)
         assert stored == n_prompt // BLOCK  # every full block of the prompt
         second = _post(f"{url}/v1/completions", body)
-        time.sleep(1.5)  # vLLM publishes its counters about once a second
-        assert _external_tokens(url) == (n_prompt - 1) // BLOCK * BLOCK  # every full block, from kvd
+        want = (n_prompt - 1) // BLOCK * BLOCK  # every full block, from kvd
+        deadline = time.monotonic() + 10  # vLLM publishes its counters about once a second
+        while (got := _external_tokens(url)) != want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert got == want
         assert second["choices"][0]["text"] == first["choices"][0]["text"]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
