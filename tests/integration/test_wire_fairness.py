@@ -11,6 +11,7 @@ before or after the polite append), never through wall-clock times.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -40,14 +41,21 @@ def _flood(ctx: zmq.Context[Any], endpoint: str, n: int) -> zmq.Socket[Any]:
     return sock
 
 
-def _replies(sock: zmq.Socket[Any], n: int) -> list[Any]:
+def _replies(server: ServerProcess, sock: zmq.Socket[Any], n: int) -> tuple[list[Any], int]:
+    """The flood's replies and how many the server dropped: every request is answered (executed or Busy) or
+    its reply is counted as dropped, because the flooder's pipe held ``SNDHWM`` unread replies when it was
+    sent (the bound on what a peer that does not read can pin); never silence."""
     out: list[Any] = []
-    while len(out) < n:  # every request is answered: executed or Busy, never silence
-        assert sock.poll(60_000), f"only {len(out)} of {n} replies"
-        reply = p.decode_reply(sock.recv_multipart())
-        assert reply.request_id == 7
-        out.append(reply)
-    return out
+    deadline = time.monotonic() + 60
+    while True:
+        while sock.poll(200):
+            reply = p.decode_reply(sock.recv_multipart())
+            assert reply.request_id == 7
+            out.append(reply)
+        dropped = int(server.metrics()["replies_dropped"])
+        if len(out) + dropped >= n:
+            return out, dropped
+        assert time.monotonic() < deadline, f"only {len(out)} of {n} replies, {dropped} dropped"
 
 
 def _queued_at_least(server: ServerProcess, depth: int) -> dict[str, Any]:
@@ -73,16 +81,17 @@ def test_a_polite_request_runs_ahead_of_a_flooders_queue_and_the_flooder_gets_bu
         reply = request(polite, p.AppendRequest(request_id=2, namespace=NS, seq_id="polite", keys=k, values=v),
                         timeout_s=60)
         assert isinstance(reply, p.AppendReply), reply  # never Busy: the polite client is within its share
-        replies = _replies(flood, n)
+        replies, dropped = _replies(server, flood, n)
         ran = [r for r in replies if isinstance(r, p.LengthsReply)]
         busy = [r for r in replies if isinstance(r, p.ErrorReply) and r.code == Busy.code]
-        assert len(ran) + len(busy) == n
+        assert len(ran) + len(busy) + dropped == n
         after = sum(r.lengths[0] == 1 for r in ran)  # flood requests that ran after the polite append
         # one shared FIFO ran every flood request queued before the append first (after == 0); in turns, the
         # append waits for one flood request, so nearly all of the queue runs after it
         assert after >= queued // 2, f"{after} flood requests ran after the polite append; {queued} were queued"
         metrics = server.metrics()
-        assert busy and metrics["busy_share"] == len(busy)  # refused for its share, not for a full queue
+        # refused for its share, not for a full queue (a refusal's reply may be one of the dropped)
+        assert busy and len(busy) <= metrics["busy_share"] <= len(busy) + dropped
         assert "its share" in busy[0].message and "not executed" in busy[0].message
         assert metrics["queue_peak"] <= 128 + 1 + 1  # the flooder's share, the polite append, one in progress
     finally:
