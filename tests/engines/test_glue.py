@@ -181,7 +181,7 @@ def test_connector_load_reports_failed_blocks_and_never_raises(torch_mod) -> Non
     caches = [torch.zeros(10, h, bs, 2 * d) for _ in range(layers)]
     conn._io, conn._link, conn.namespace, conn._bs = BlockIO(caches, h, d, bs), link, "ns", bs
     conn._cfg = _Settings(endpoint=srv.endpoint, timeout_s=0.5, retry_after_s=30, fmt="pages", async_saves=False,
-                          save_buffer_bytes=1 << 20, model_id="m")
+                          save_buffer_bytes=1 << 20, model_id="m", parents=True)
     conn.counters = {"loaded_blocks": 0, "load_failed_blocks": 0, "load_fetch_us": 0, "load_write_us": 0}
     conn._load_errors = set()
     try:
