@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Collection
 from typing import Any
 
 from kvd import __version__
@@ -24,6 +25,7 @@ from kvd.cli.common import (
     _say,
     _Stop,
 )
+from kvd.cli.reaper import Reaper
 from kvd.cli.status import fmt_bytes, status_line
 from kvd.cluster.metrics import StatusMetrics
 from kvd.config.settings import (
@@ -60,14 +62,19 @@ def _ray_init(config: Config) -> str:
     # answering while `kvd up` still needs them to tear down: its Ray calls waited 60 s for the GCS. Ray blocks
     # SIGINT in the processes it starts for the same reason (Ctrl-C goes to the group); block SIGTERM as well
     # while they are started (a blocked signal is inherited), so only `kvd up` handles it and stops them itself.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # SIGINT is held here too: a stop raised inside ray.init left its processes running, unknown to
+    # ray.is_initialized(), and once crashed the interpreter. A signal that came meanwhile is taken when the mask
+    # is restored, by kvd's handlers (Ray's core installs its own: they are put back first), once Ray is whole.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     try:
         ray.init(address="local", num_cpus=cpus, namespace=cluster.namespace, include_dashboard=False,
                  object_store_memory=_EMBEDDED_OBJECT_STORE_BYTES, logging_level=logging.WARNING,
                  log_to_driver=False, **node_ip)
+        _no_graceful_ray_kill()
     finally:
+        signal.signal(signal.SIGTERM, _raise_stop)
+        signal.signal(signal.SIGINT, _raise_stop)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    _no_graceful_ray_kill()
     return "127.0.0.1" if cluster.host == "auto" else cluster.host
 
 
@@ -98,9 +105,10 @@ def _become_subreaper() -> None:
         pass
 
 
-def _kill_leftovers(timeout_s: float = 5.0) -> int:
+def _kill_leftovers(timeout_s: float = 5.0, *, keep: Collection[int] = ()) -> int:
     """SIGKILL and reap every child this process still has after ray.shutdown() (adopted Ray agents, workers
-    that outlived their raylet); returns how many there were. `kvd up` starts no other child processes."""
+    that outlived their raylet), but ``keep`` (the reaper); returns how many there were. `kvd up` starts no other
+    child processes."""
     me = os.getpid()
     children = []
     for entry in os.listdir("/proc"):
@@ -111,7 +119,7 @@ def _kill_leftovers(timeout_s: float = 5.0) -> int:
                 ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == me:
+        if ppid == me and int(entry) not in keep:
             children.append(int(entry))
     for pid in children:
         try:
@@ -255,10 +263,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     deployment = None
     metrics = None
     claimed = False
+    reaper = None
     try:
         _claim_namespace(cluster.namespace, bool(args.detach))
         claimed = True
         _preflight(config, detach=bool(args.detach))
+        if not cluster.address:  # an embedded Ray: whatever ends `kvd up`, none of its processes may outlive it
+            reaper = Reaper(str(run_file_path(cluster.namespace)))
+            reaper.mark()
         host = _ray_init(config)
         # Ray's core installs a failure-signal handler that dumps a stack on SIGTERM: take the signals back.
         signal.signal(signal.SIGTERM, _raise_stop)
@@ -310,8 +322,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                 stopped = teardown(cluster.namespace, timeout_s=cluster.ray_timeout_s)
                 _say(f"kvd: stopped {stopped} actors")
             ray.shutdown()
-            if not cluster.address:
-                _kill_leftovers()
+        if reaper is not None:  # also when ray.init failed half-way: what it started is our child or marked
+            _kill_leftovers(keep=(reaper.pid,))
+            reaper.close()
         if claimed and not (args.detach and deployment is not None):
             remove_run_file(cluster.namespace, pid=os.getpid())
 
