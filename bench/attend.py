@@ -110,8 +110,8 @@ def scan_speed(token_counts: list[int], repeats: int) -> None:
             dst = np.empty_like(src)
             t_att, t_copy = medians([lambda st=store: st.attend(NS, "s", 0, q),
                                      lambda d=dst, s=src: np.copyto(d, s)], repeats)
-            print(f"| {tokens} | {level} | {nbytes / 2**20:.1f} | {t_att * 1e3:.2f} | {nbytes / t_att / 1e9:.2f} | "
-                  f"{nbytes / t_copy / 1e9:.2f} | {t_copy / t_att:.2f}x |")
+            print(f"| {tokens} | {level} | {nbytes / 2**20:.1f} | {t_att * 1e3:.2f} | "
+                  f"{nbytes / t_att / 1e9:.2f} | {nbytes / t_copy / 1e9:.2f} | {t_copy / t_att:.2f}x |")
             del store, src, dst
 
 

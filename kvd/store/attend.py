@@ -37,8 +37,8 @@ def check_queries(ns: store_seq.Namespace, queries: Any, positions: Any, scale: 
         raise InvalidArgument(f"queries must be [T_q, H_q, D] with T_q >= 1, got shape {list(q.shape)}")
     t_q, h_q, d = q.shape
     if d != ns.head_dim or h_q < 1 or h_q % ns.heads:
-        raise LayoutMismatch(f"queries [T_q, H_q, D] = {list(q.shape)} do not fit namespace {ns.name!r}: D must be "
-                             f"head_dim {ns.head_dim} and H_q a multiple of its {ns.heads} KV heads")
+        raise LayoutMismatch(f"queries [T_q, H_q, D] = {list(q.shape)} do not fit namespace {ns.name!r}: D must "
+                             f"be head_dim {ns.head_dim} and H_q a multiple of its {ns.heads} KV heads")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) \
@@ -126,7 +126,8 @@ class Attending:
 
     def attend_range(self, namespace: str, seq_id: Any, layer: int, queries: Any, *, start: int = 0,
                      end: int | None = None, scale: float | None = None, positions: Any = None,
-                     max_bytes: int | None = None, disk_io: bool = True) -> tuple[np.ndarray, np.ndarray, int, int]:
+                     max_bytes: int | None = None,
+                     disk_io: bool = True) -> tuple[np.ndarray, np.ndarray, int, int]:
         """:meth:`attend`, and the range it covered: ``(out, lse, start, end)`` with ``end`` resolved."""
         store: Any = self
         with store._lock:

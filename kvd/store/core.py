@@ -44,8 +44,8 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   own size), the price of not reading the tokens
   once more to refuse NaN/Inf first.
 * **All or nothing.** An append validates shapes and dtypes, then builds every new buffer (pages it seals, pages
-  leaving the window, a new or grown tail) off to the side: NaN/Inf is refused by the kernels while encoding, and the
-  tokens that will sit in the hot tail are checked before they are copied; either way the error names the
+  leaving the window, a new or grown tail) off to the side: NaN/Inf is refused by the kernels while encoding, and
+  the tokens that will sit in the hot tail are checked before they are copied; either way the error names the
   value as ``keys[layer, token, head, dim]``. Only then does it make room and commit, with operations that
   cannot fail. On any error the new buffers go back where they came from and nothing was evicted (a valid
   append refused for want of room may have re-compressed pages first: that changes no token's presence).

@@ -20,7 +20,7 @@ from kvd.cli import reaper
 pytestmark = [pytest.mark.integration, pytest.mark.backend_independent]  # stdlib processes, no kvd data path
 
 REPO = Path(__file__).resolve().parents[2]
-# Long enough for the reaper to start (a Python start, seconds on a loaded machine) and look at the tree a few times
+# Long enough for the reaper to start (seconds on a loaded machine) and look at the tree a few times
 NOTED_S = reaper._LOOK_S * 3 + 7
 
 
