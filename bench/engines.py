@@ -2,7 +2,7 @@
 per precision level. SmolLM2-135M-Instruct, fp32, CPU; run in the engine venv (bin/engines-env).
 
     .venv-engines/bin/python bench/engines.py ttft     [--tokens 1906] [--rounds 5] [--levels fp16,q8,q4]
-    .venv-engines/bin/python bench/engines.py quality  [--prefix 1024] [--cont 256] [--gen 128]
+    .venv-engines/bin/python bench/engines.py quality  [--prefix 1024] [--cont 256] [--gen 128] [--configs ...]
     .venv-engines/bin/python bench/engines.py decode   [--context 8128] [--gen 64] [--levels fp16,q4]
 
 ttft: one vLLM engine in this process (vLLM's own prefix cache off) with KvdConnector, a kvd shard server in a
@@ -28,8 +28,11 @@ quality: for several real texts found on every Debian machine (licenses, Python'
 first ``--prefix`` tokens' KV (the model's, fp32) is stored in kvd at a level and loaded back into a
 KvdCache; the next ``--cont`` tokens are then scored with it (teacher forcing). Reference: the same KV rounded
 to fp16 (what kvd's fp16 level stores). Reported: KL(reference || level) of the next-token distributions
-(mean over positions and texts), perplexity of the continuation, top-1 agreement, and in free generation the
-number of the ``--gen`` greedy tokens produced before the first one that differs from the reference.
+(mean over positions and texts), perplexity of the continuation, top-1 agreement, in free generation the
+number of the ``--gen`` greedy tokens produced before the first one that differs from the reference, and the bits
+per stored value as the store counts them (``used_bytes``). The row "q4 calibrated" first gives the namespace the
+calibration made from ``--sample`` (the shared SmolLM2 sample by default) at the default budgets
+(:mod:`kvd.calibration`), so its pages keep the heads that calibration holds at 8 bits; ``--configs`` picks rows.
 
 decode: a ``--context``-token context (real texts) prefilled once and stored in kvd at a level as one sequence,
 then a greedy decode of ``--gen`` tokens over it through transformers, two ways: "load" (``KvdCache.resume``: the
@@ -98,6 +101,10 @@ def _serve(conn: Any, level: str, store_kwargs: dict[str, Any]) -> None:
                     store._spill(seq, wait_s=60)  # noqa: SLF001
             store.flush()
             conn.send(len(new))
+        elif cmd == "used":  # the bytes the store holds, as it counts them
+            conn.send(store.stats()["used_bytes"])
+        elif isinstance(cmd, tuple) and cmd[0] == "calibrate":  # ("calibrate", namespace, record)
+            conn.send(store.calibrate(cmd[1], cmd[2]))
         elif cmd == "drop_cache":  # the next reads of spilled blocks come from the disk, not the page cache
             for path, _ in files.scan(store.stats()["disk_path"]):
                 files.drop_cache(path)
@@ -118,7 +125,7 @@ class Server:
     def set_level(self, level: str) -> None:
         self.ask(level)
 
-    def ask(self, cmd: str) -> Any:
+    def ask(self, cmd: Any) -> Any:
         self._conn.send(cmd)
         return self._conn.recv()
 
@@ -350,10 +357,11 @@ def ttft(args: argparse.Namespace) -> None:
 
 # ---- quality ----------------------------------------------------------------------------------------------------
 
-CONFIGS = [  # (name, level, sink_tokens, window_tokens)
+CONFIGS = [  # (name, level, sink_tokens, window_tokens); "calibrated": the namespace calibrated (--sample)
     ("fp16", "fp16", 4, 0),
     ("q8", "q8", 4, 0),
     ("q4 sink4", "q4", 4, 0),
+    ("q4 calibrated", "q4", 4, 0),
     ("q4 sink4 win128", "q4", 4, 128),
     ("q4 sink1 win128", "q4", 1, 128),
     ("q4 sink0", "q4", 0, 0),
@@ -365,6 +373,7 @@ def quality(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     from kvd.client import Client
+    from kvd.evaluate import sample_path
     from kvd.integrations.model import build_model_folder
     from kvd.integrations.transformers import KvdCache
 
@@ -408,11 +417,31 @@ def quality(args: argparse.Namespace) -> None:
         gen_ids = torch.tensor([ids[: args.prefix + 1]])
         refs[name] = (pre, cont, full, ref_lp, gen(fp16_copy(full), gen_ids))
 
-    print(f"\n{'config':<18} {'KL mean':>9} {'KL max':>9} {'ppl':>8} {'top-1 agree':>12} {'gen agree':>10}")
-    for cname, level, sink, window in CONFIGS:
+    record = None
+    configs = [c for c in CONFIGS if not args.configs or c[0] in args.configs.split(",")]
+    if any("calibrated" in c[0] for c in configs):
+        from kvd import calibration as cal
+
+        t0 = time.perf_counter()
+        made = cal.calibrate(cal.load_sample(args.sample or sample_path()))
+        record = made.to_dict()
+        layers, heads, _ = made.layout
+        print(f"calibration {made.digest[:16]} from {args.sample or sample_path()} "
+              f"({time.perf_counter() - t0:.0f} s): " + "; ".join(
+                  f"{lv}: budget {p.budget:.1%}, eps_O on the sample {p.mean:.2%} mean, "
+                  f"{p.protected} of {layers * heads * 2} head tensors held"
+                  + (f", off ({p.off})" if p.off else "") for lv, p in made.plans.items()))
+    values = sum(args.prefix * 2 * model.config.num_hidden_layers * model.config.num_key_value_heads
+                 * (model.config.hidden_size // model.config.num_attention_heads) for _ in refs)
+    print(f"\n{'config':<18} {'KL mean':>9} {'KL max':>9} {'ppl':>8} {'top-1 agree':>12} {'gen agree':>10} "
+          f"{'bits/value':>10}")
+    for cname, level, sink, window in configs:
         server = Server(level, sink_tokens=sink, window_tokens=window)
         kls, kl_max, nll, agree, gens = [], 0.0, [], [], []
         with Client(server.endpoint) as kv:
+            if "calibrated" in cname:
+                state = server.ask(("calibrate", KvdCache(kv, model.config).namespace, record))
+                assert state["state"] == "active", state
             for name, (pre, cont, full, ref_lp, ref_gen) in refs.items():
                 saver = KvdCache(kv, model.config)
                 for i, layer in enumerate(full.layers):
@@ -428,10 +457,11 @@ def quality(args: argparse.Namespace) -> None:
                 got = gen(KvdCache.resume(kv, model.config, name), gen_ids)
                 gens.append(next((i for i, (a, b) in enumerate(zip(got, ref_gen, strict=True)) if a != b),
                                  len(ref_gen)))
+        bits = server.ask("used") * 8 / values
         server.stop()
         ppl = float(torch.tensor(nll).mean().exp())
         print(f"{cname:<18} {statistics.mean(kls):>9.2e} {kl_max:>9.2e} {ppl:>8.3f} "
-              f"{statistics.mean(agree):>12.4f} {statistics.mean(gens):>7.1f}/{args.gen}")
+              f"{statistics.mean(agree):>12.4f} {statistics.mean(gens):>7.1f}/{args.gen} {bits:>10.3f}")
 
 
 def decode(args: argparse.Namespace) -> None:
@@ -513,6 +543,9 @@ def main() -> int:
     q.add_argument("--cont", type=int, default=256)
     q.add_argument("--gen", type=int, default=128)
     q.add_argument("--threads", type=int, default=1)
+    q.add_argument("--configs", default="", help="only these rows, by name, comma-separated (default: all)")
+    q.add_argument("--sample", default=None,
+                   help="the calibration sample of the calibrated row (default: the shared SmolLM2 sample)")
     d = sub.add_parser("decode", help="decode over a stored context: attend in kvd against loading it")
     d.add_argument("--context", type=int, default=8128)
     d.add_argument("--gen", type=int, default=64)
