@@ -286,34 +286,32 @@ class Coordinator:
         to every shard (or the push timed out: a shard that missed it gets it with its next report);
         ``{"ok": False, "code", "error", "message"}`` for a layout the cluster knows otherwise."""
         before = self._membership.namespaces_version
-        try:
-            added = self._membership.add_namespace(namespace, layout)
-        except KvdError as exc:
-            return {"ok": False, "code": exc.code, "error": type(exc).__name__, "message": str(exc)}
-        if added:
-            self._persist()
-            log.info("namespace %s registered with layout %s", namespace, list(layout))
-            self._push(wait_s=_PUSH_TIMEOUT_S, namespaces_from=before)  # what was added since `before` only
-        return {"ok": True}
+        return self._cluster_wide(lambda: self._membership.add_namespace(namespace, layout),
+                                  f"namespace {namespace} registered with layout {list(layout)}",
+                                  namespaces_from=before)  # what was added since `before` only
 
     def add_calibration(self, namespace: str, record: dict[str, Any]) -> dict[str, Any]:
         """A shard serves ``calibrate`` (``record``: a checked ``Calibration.to_dict()``): keep it with the
         namespace. ``{"ok": True}`` once it is persisted and pushed to every shard (or the push timed out: a
         shard that missed it gets it with its next report); ``{"ok": False, "code", "error", "message"}`` for a
-        namespace the cluster does not know, or when it could not be persisted (retry)."""
+        namespace the cluster does not know."""
         before = self._membership.calibrations_version
+        return self._cluster_wide(lambda: self._membership.set_calibration(namespace, record),
+                                  f"namespace {namespace} calibrated ({str(record.get('digest'))[:16]})",
+                                  namespaces_from=self._membership.namespaces_version, calibrations_from=before)
+
+    def _cluster_wide(self, change: Callable[[], bool], done: str, **since: int) -> dict[str, Any]:
+        """Apply ``change`` to membership; if it changed anything, persist it (a failed save is retried by
+        housekeeping) and push what changed ``since`` to every shard. The reply of add_namespace and
+        add_calibration."""
         try:
-            changed = self._membership.set_calibration(namespace, record)
+            changed = change()
         except KvdError as exc:
             return {"ok": False, "code": exc.code, "error": type(exc).__name__, "message": str(exc)}
         if changed:
-            if not self._persist():
-                msg = (f"the calibration of namespace {namespace!r} is kept by the coordinator but could not be "
-                       "persisted yet (Ray's GCS did not answer); it is retried, and resending it is safe")
-                log.warning(msg)
-            log.info("namespace %s calibrated (%s)", namespace, str(record.get("digest"))[:16])
-            self._push(wait_s=_PUSH_TIMEOUT_S, namespaces_from=self._membership.namespaces_version,
-                       calibrations_from=before)
+            self._persist()
+            log.info(done)
+            self._push(wait_s=_PUSH_TIMEOUT_S, **since)
         return {"ok": True}
 
     def calibrations(self) -> dict[str, dict[str, Any]]:

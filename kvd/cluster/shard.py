@@ -43,7 +43,7 @@ import uuid
 from typing import Any
 
 from kvd.config.settings import Config
-from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch, error_for_code
+from kvd.errors import ConfigError, InvalidArgument, KvdError, error_for_code
 from kvd.store import buffers
 
 __all__ = ["Shard"]
@@ -273,29 +273,36 @@ class Shard:
         """The server's ``calibrate`` hook (serving thread): make it cluster-wide before it is applied here.
         If the coordinator does not answer within ``_ADD_NAMESPACE_S``, applies it here only and hands it over
         later (the reporter)."""
-        import ray
 
         record = calibration.to_dict()
+        if not self._hand_to_coordinator("add_calibration", namespace, record, what="calibration"):
+            with self._namespaces_lock:
+                self._pending_cals[namespace] = record
+
+    def _hand_to_coordinator(self, method: str, namespace: str, arg: Any, *, what: str) -> bool:
+        """Call the coordinator's ``method(namespace, arg)`` (``add_namespace``, ``add_calibration``) within
+        ``_ADD_NAMESPACE_S``: True once it took it, False when it is away (the caller keeps it for the reporter
+        to hand over); raises the error it refused it with."""
+        import ray
+
         coordinator = self._coordinator
-        if coordinator is not None and self._registered.is_set():
-            try:
-                reply = ray.get(coordinator.add_calibration.remote(namespace, record),
-                                timeout=min(_ADD_NAMESPACE_S, self._config.cluster.ray_timeout_s))
-            except Exception as exc:  # noqa: BLE001 - the coordinator is away: keep it for later
-                log.warning("shard %s: calibration of %s not handed to the coordinator yet: %s", self._shard_id,
-                            namespace, exc)
-            else:
-                if not reply.get("ok"):
-                    raise error_for_code(int(reply.get("code", KvdError.code)), str(reply.get("message")))
-                return
-        with self._namespaces_lock:
-            self._pending_cals[namespace] = record
+        if coordinator is None or not self._registered.is_set():
+            return False
+        try:
+            reply = ray.get(getattr(coordinator, method).remote(namespace, arg),
+                            timeout=min(_ADD_NAMESPACE_S, self._config.cluster.ray_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the coordinator is away: keep it for later
+            log.warning("shard %s: %s of %s not handed to the coordinator yet: %s", self._shard_id, what,
+                        namespace, exc)
+            return False
+        if not reply.get("ok"):
+            raise error_for_code(int(reply.get("code", KvdError.code)), str(reply.get("message")))
+        return True
 
     def _register_namespace(self, namespace: str, layout: tuple[int, int, int]) -> None:
         """The server's ``register`` hook (serving thread): make it cluster-wide before it is applied here.
         Raises LayoutMismatch if the cluster has another layout; if the coordinator does not answer within
         ``_ADD_NAMESPACE_S``, registers here only and hands it over later (the reporter)."""
-        import ray
 
         with self._namespaces_lock:
             if self._namespaces.get(namespace) == layout:
@@ -305,20 +312,9 @@ class Shard:
             raise InvalidArgument(f"namespace {namespace!r} was not registered: shard {self._shard_id} holds "
                                   f"{held} namespaces, the limit (cluster.max_namespaces = {limit}); reuse one, "
                                   "or raise cluster.max_namespaces")
-        coordinator = self._coordinator
-        if coordinator is not None and self._registered.is_set():
-            try:
-                reply = ray.get(coordinator.add_namespace.remote(namespace, list(layout)),
-                                timeout=min(_ADD_NAMESPACE_S, self._config.cluster.ray_timeout_s))
-            except Exception as exc:  # noqa: BLE001 - the coordinator is away: keep it for later
-                log.warning("shard %s: namespace %s not handed to the coordinator yet: %s", self._shard_id,
-                            namespace, exc)
-            else:
-                if not reply.get("ok"):
-                    raise error_for_code(int(reply.get("code", LayoutMismatch.code)), str(reply.get("message")))
-                return
-        with self._namespaces_lock:
-            self._pending[namespace] = layout
+        if not self._hand_to_coordinator("add_namespace", namespace, list(layout), what="namespace"):
+            with self._namespaces_lock:
+                self._pending[namespace] = layout
 
     def _hand_over_pending(self, timeout_s: float) -> None:
         """Namespaces registered here while the coordinator was away: make them cluster-wide now."""

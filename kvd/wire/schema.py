@@ -190,12 +190,19 @@ def check_required_layers(name: str, value: Any, exc: type[KvdError]) -> tuple[i
     return check_layers(name, value, exc, optional=False)  # type: ignore[return-value]
 
 
-def check_get_format(name: str, value: Any, exc: type[KvdError]) -> str:
-    if not isinstance(value, str):
-        raise exc(f"{name} must be a string, got {show(value)}")
-    if value not in GET_FORMATS:
-        raise InvalidArgument(f"{name} must be one of {', '.join(GET_FORMATS)}, got {value[:80]!r}")
-    return value
+def one_of(choices: Sequence[str]) -> Check:
+    """A check of a string that must be one of ``choices``."""
+    def check(name: str, value: Any, exc: type[KvdError]) -> str:
+        if not isinstance(value, str):
+            raise exc(f"{name} must be a string, got {show(value)}")
+        if value not in choices:
+            raise InvalidArgument(f"{name} must be one of {', '.join(choices)}, got {value[:80]!r}")
+        return value
+
+    return check
+
+
+check_get_format = one_of(GET_FORMATS)
 
 
 def check_seq_ids(name: str, value: Any, exc: type[KvdError]) -> tuple[SeqId, ...]:
@@ -257,12 +264,7 @@ def check_calibration(name: str, value: Any, exc: type[KvdError]) -> dict[str, A
     return value if type(value) is dict else dict(value)
 
 
-def check_calibration_state(name: str, value: Any, exc: type[KvdError]) -> str:
-    if not isinstance(value, str):
-        raise exc(f"{name} must be a string, got {show(value)}")
-    if value not in CALIBRATION_STATES:
-        raise InvalidArgument(f"{name} must be one of {', '.join(CALIBRATION_STATES)}, got {value[:80]!r}")
-    return value
+check_calibration_state = one_of(CALIBRATION_STATES)
 
 
 def check_calibration_levels(name: str, value: Any, exc: type[KvdError]) -> dict[str, dict[str, Any]]:
@@ -430,12 +432,7 @@ MAX_SHARDS = 4096  # shards in one topology reply
 SERVER_ROLES = ("shard", "coordinator")
 
 
-def check_role(name: str, value: Any, exc: type[KvdError]) -> str:
-    if not isinstance(value, str):
-        raise exc(f"{name} must be a string, got {show(value)}")
-    if value not in SERVER_ROLES:
-        raise InvalidArgument(f"{name} must be one of {', '.join(SERVER_ROLES)}, got {value[:80]!r}")
-    return value
+check_role = one_of(SERVER_ROLES)
 
 
 def check_shards(name: str, value: Any, exc: type[KvdError]) -> tuple[dict[str, str], ...]:
