@@ -19,7 +19,9 @@ import ray
 
 from kvd.calibration import calibrate, check_sample
 from kvd.client import Client
+from kvd.cluster.coordinator import RayKV
 from kvd.cluster.deploy import Deployment, deploy, teardown, wait_until
+from kvd.cluster.naming import state_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray"), pytest.mark.backend_independent]
 
@@ -101,6 +103,7 @@ def test_a_calibration_reaches_every_shard_a_restarted_one_and_survives_a_coordi
         restart_shard(cluster, "shard-1")
 
         # the coordinator killed for real comes back with it (persisted), and hands it to a shard restarted later
+        assert RayKV(state_key(cluster.namespace)).calibrations()[NS] == cal.to_dict()  # in Ray's internal KV
         coordinator_pid = int(ray.get(cluster.coordinator.pid.remote(), timeout=10))
         kill(coordinator_pid)
         wait_until(lambda: int(ray.get(cluster.coordinator.pid.remote(), timeout=5)) != coordinator_pid,
