@@ -28,7 +28,7 @@ from kvd.cli.common import (
     _say,
     no_kvd_message,
 )
-from kvd.errors import InvalidArgument, ShardUnavailable, Timeout, UnknownNamespace
+from kvd.errors import InvalidArgument, ProtocolError, ShardUnavailable, Timeout, UnknownNamespace
 
 __all__ = ["add_parser", "cmd_calibrate"]
 
@@ -88,11 +88,16 @@ def add_parser(add_verb: Any, common: Any, default_port: int) -> None:
 
 
 def _geometry(stats: list[dict[str, Any]], namespace: str) -> tuple[int, int, str]:
-    """``(page_tokens, sink_tokens, eight_bit)`` of the shards (they must agree); UnknownNamespace when a shard
-    lists every namespace it has and not this one."""
+    """``(page_tokens, sink_tokens, eight_bit)`` of the shards (they must agree), checked before anything is
+    measured: ProtocolError for a shard older than protocol 1.7 (its stats list no ``calibration_states``: it
+    cannot take a calibration), UnknownNamespace when a shard lists every namespace it has and not this one."""
     good = [s for s in stats if "error" not in s]
     if not good:
         raise ShardUnavailable(f"no shard answered: {stats[0]['error'] if stats else 'kvd has no shard'}")
+    old = [str(s.get("shard_id")) for s in good if "calibration_states" not in s]
+    if old:
+        raise ProtocolError(f"shard(s) {', '.join(old)} run a kvd older than protocol 1.7 and cannot take a "
+                            "calibration (nothing was measured or sent); upgrade the cluster's kvd")
     geometry = {(int(s["page_tokens"]), int(s["sink_tokens"]), str(s["eight_bit"])) for s in good}
     if len(geometry) != 1:
         raise InvalidArgument(f"the shards store pages differently ({sorted(geometry)}): calibrate each alike")

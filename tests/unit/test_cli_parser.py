@@ -12,7 +12,7 @@ import pytest
 
 from kvd.cli.main import build_parser, main
 from kvd.config import load_config
-from kvd.errors import ConfigError
+from kvd.errors import ConfigError, InvalidArgument
 
 VERBS = ("up", "status", "bench", "ping", "down", "keygen", "config")
 
@@ -119,6 +119,27 @@ def test_kvd_calibrate_takes_the_kv_namespace_apart_from_the_ray_namespace_and_s
                                                                                      0.05, None)
     assert (HELP_BUDGETS, HELP_MIN_TOKENS) == (DEFAULT_BUDGETS, MIN_TOKENS)  # what --help says is what runs
     assert "default 0.06: 6%" in _verb_parsers()["calibrate"].format_help()
+
+
+def test_kvd_calibrate_checks_the_shards_before_it_measures() -> None:
+    from kvd.cli.calibrate import _geometry
+    from kvd.errors import ProtocolError, ShardUnavailable, UnknownNamespace
+
+    def shard(sid: str, **extra: object) -> dict[str, object]:
+        return {"shard_id": sid, "page_tokens": 64, "sink_tokens": 4, "eight_bit": "q8",
+                "calibration_states": {"m": "none"}, "calibration_unlisted": 0, **extra}
+
+    assert _geometry([shard("shard-0"), shard("shard-1")], "m") == (64, 4, "q8")
+    old = {k: v for k, v in shard("shard-1").items() if not k.startswith("calibration")}
+    with pytest.raises(ProtocolError, match=r"shard\(s\) shard-1 run a kvd older than protocol 1.7"):
+        _geometry([shard("shard-0"), old], "m")
+    with pytest.raises(UnknownNamespace, match="'x' is not registered in this kvd \\(it has: m\\)"):
+        _geometry([shard("shard-0")], "x")
+    assert _geometry([shard("shard-0", calibration_unlisted=3)], "x") == (64, 4, "q8")  # not all listed: the op says
+    with pytest.raises(InvalidArgument, match="store pages differently"):
+        _geometry([shard("shard-0"), shard("shard-1", page_tokens=32)], "m")
+    with pytest.raises(ShardUnavailable, match="no shard answered: Timeout"):
+        _geometry([{"shard_id": "shard-0", "error": "Timeout: ..."}], "m")
 
 
 @pytest.mark.parametrize("budget", ["0", "1.5", "nan", "six"])
