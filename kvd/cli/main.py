@@ -1,4 +1,4 @@
-"""The ``kvd`` command: ``up``, ``status``, ``ping``, ``bench``, ``down``, ``keygen``, ``config``.
+"""The ``kvd`` command: ``up``, ``status``, ``calibrate``, ``ping``, ``bench``, ``down``, ``keygen``, ``config``.
 
 ``kvd up`` with no arguments starts an embedded local Ray, a coordinator and two shards, prints the client
 endpoint and a live status line, and stops everything on Ctrl-C or SIGTERM. ``--ray-address auto`` joins a
@@ -9,7 +9,7 @@ always a kvd client endpoint (status, ping, bench), ``--ray-address`` always a R
 table and the live line are drawn by kvd.cli.status, the Prometheus exporter is kvd.cluster.metrics.
 
 This module holds the parser and the small verbs; ``up``/``down`` live in kvd.cli.up, ``ping`` in kvd.cli.ping,
-and what they all share in kvd.cli.common.
+``calibrate`` in kvd.cli.calibrate, and what they all share in kvd.cli.common.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvd import __version__
+from kvd.cli import calibrate as cli_calibrate
 from kvd.cli.common import (
     _EXIT_ERROR,
     _EXIT_OK,
@@ -216,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0, help="seconds per request (default 5)")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(func=cmd_status)
+
+    cli_calibrate.add_parser(add_verb, _common, DEFAULT_PORT)
 
     bench = add_verb(
         "bench", help="drive load against a running kvd: throughput and latency",

@@ -15,7 +15,8 @@ from typing import Any
 from kvd.cluster.metrics import server_count
 from kvd.config.settings import format_size
 
-__all__ = ["disk_table", "fmt_bytes", "imbalance", "serving_table", "shard_table", "status_line"]
+__all__ = ["calibration_table", "disk_table", "fmt_bytes", "imbalance", "serving_table", "shard_table",
+           "status_line"]
 
 
 # ------------------------------------------------------------------------------------------------ display
@@ -89,7 +90,49 @@ def shard_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
     serving = serving_table(shards)
     if serving:
         out += "\n\nserving (counts since each shard started):\n" + serving
+    calibration = calibration_table(shards)
+    if calibration:
+        out += "\n\nnamespaces and their calibration (kvd calibrate):\n" + calibration
     return out
+
+
+def calibration_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
+    """Each namespace's calibration state (none, active, quarantined; missing / needed where
+    ``require_calibration`` asks for one) as the shards report it (``mixed`` naming each shard's when they
+    differ), and what each level's protection achieves against its budget on the sample; below it, why a
+    calibration is not in force. Then the pages the calibrations kept raw or held at a less compact level.
+    Empty when no shard reports a namespace."""
+    states: dict[str, dict[str, str]] = {}
+    budgets: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    unlisted = 0
+    held = raw = 0
+    for sid, s in shards:
+        if not isinstance(s, dict):
+            continue
+        for name, state in (s.get("calibration_states") or {}).items():
+            states.setdefault(name, {})[sid] = str(state)
+        budgets.update(s.get("calibration_budgets") or {})
+        reasons.update(s.get("calibration_reasons") or {})
+        unlisted = max(unlisted, int(s.get("calibration_unlisted") or 0))
+        held += int(s.get("calibration_held_pages") or 0)
+        raw += int(s.get("calibration_raw_pages") or 0)
+    if not states:
+        return ""
+    rows = []
+    for name in sorted(states):
+        seen = states[name]
+        kinds = set(seen.values())
+        state = (kinds.pop() if len(kinds) == 1
+                 else "mixed: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
+        rows.append([name, state, budgets.get(name, "-")])
+    out = _table(["namespace", "calibration", "eps_O on the sample vs budget"], rows)
+    if unlisted:
+        out += f"\n({unlisted} more namespaces not listed)"
+    notes = [f"  {name}: {reasons[name]}" for name in sorted(reasons) if name in states]
+    if notes:
+        out += "\n" + "\n".join(notes)
+    return out + f"\npages held back by calibrations: {held} at a less compact level, {raw} kept fp16"
 
 
 def disk_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:

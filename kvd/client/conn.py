@@ -73,7 +73,8 @@ class _Conn:
 
     __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "positions",
                  "parents",
-                 "packs_tensors", "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation", "attends")
+                 "packs_tensors", "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation", "attends",
+                 "calibrates")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
         self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
@@ -83,6 +84,7 @@ class _Conn:
         self.packs = False  # the server takes get's packed field (protocol 1.1)
         self.lookups = False  # the server answers lengths (protocol 1.2)
         self.attends = False  # the server answers attend (protocol 1.5)
+        self.calibrates = False  # the server answers calibrate (protocol 1.7)
         self.positions = False  # the server takes append's position field (protocol 1.3)
         self.parents = False  # the server takes append's parent field (protocol 1.6)
         self.packs_tensors = False  # the server takes and sends keys and values in one frame (protocol 1.4)
@@ -161,6 +163,7 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
     conn.packs = reply.protocol_minor >= 1
     conn.lookups = reply.protocol_minor >= 2  # the lengths operation
     conn.attends = reply.protocol_minor >= 5  # the attend operation
+    conn.calibrates = reply.protocol_minor >= 7  # the calibrate operation
     conn.positions = reply.protocol_minor >= 3  # append's position
     conn.parents = reply.protocol_minor >= 6  # append's parent
     conn.packs_tensors = reply.protocol_minor >= 4  # packed fp16 tensors (append, fp16 get reply)

@@ -55,7 +55,8 @@ _ROUTE_BACKOFF_S = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 # Sequences whose shard incarnation a client remembers (the most recently appended): an append to one of them
 # names that incarnation, so a restarted shard (empty, on any port) refuses to continue it in the middle.
 WRITTEN_ENTRIES = 65536
-_IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register", "attend"})
+_IDEMPOTENT = frozenset({"get", "length", "lengths", "stats", "explain", "register", "attend",
+                         "calibrate"})
 
 
 class First:
@@ -388,6 +389,36 @@ class _Core:
             errors = [r for r in (yield from self._g_everywhere(make, timeout_s)) if isinstance(r, KvdError)]
         if errors:
             raise errors[0]
+
+    def _plan_calibrate(self, namespace: str, calibration: Any, timeout_s: float | None) -> Plan:
+        """``calibrate`` on every shard, as ``register``: each shard applies it (in a cluster it is made
+        cluster-wide first: the coordinator keeps it with the namespace and hands it to every shard, also one
+        that starts later). Every shard must speak protocol 1.7: nothing is sent otherwise. Returns the first
+        shard's calibration state."""
+        from kvd.calibration import Calibration, from_dict
+
+        record = calibration.to_dict() if isinstance(calibration, Calibration) else calibration
+        from_dict(record)  # argument errors (a malformed record, a digest that does not match) before any I/O
+
+        def make(rid: int) -> p.CalibrateRequest:
+            return p.CalibrateRequest(request_id=rid, namespace=namespace, calibration=record)
+
+        make(0)
+        deadline = self._deadline(timeout_s)
+        for shard in self._shards:
+            conn = yield from self._g_conn(shard, deadline)
+            if not conn.calibrates:
+                minor = conn.hello.protocol_minor if conn.hello else 0
+                raise ProtocolError(f"shard {conn.shard_id!r} speaks protocol 1.{minor}: calibrate needs 1.7 on "
+                                    "every shard (nothing was sent); upgrade the cluster's kvd")
+        results = yield from self._g_everywhere(make, timeout_s)
+        if self._coordinator is not None and any(isinstance(r, (ShardUnavailable, Timeout)) for r in results):
+            yield from self._g_refresh(self._deadline(timeout_s))
+            results = yield from self._g_everywhere(make, timeout_s)
+        for r in results:
+            if isinstance(r, KvdError):
+                raise r
+        return results[0]
 
     def _parent_here(self, namespace: str, seq_id: p.SeqId, parent: p.SeqId | None) -> p.SeqId | None:
         """``parent`` if it lives on ``seq_id``'s shard, else None: a shard knows only the chains it holds

@@ -87,6 +87,9 @@ def _value(req: Any, reply: Any) -> Any:
         return reply.dropped
     if isinstance(reply, p.StatsReply):
         return reply.stats
+    if isinstance(reply, p.CalibrateReply):
+        return {"state": reply.state, "reason": reply.reason, "digest": reply.digest, "model": reply.model,
+                "levels": dict(reply.levels or {})}
     if isinstance(reply, p.ExplainReply):
         return {"level": reply.level, "reasons": list(reply.reasons), **(reply.details or {})}
     if isinstance(reply, p.TopologyReply):

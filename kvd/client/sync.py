@@ -259,6 +259,17 @@ class Client(_Core):
         """Register a layout on every shard (Store.register). Raises LayoutMismatch, ShardUnavailable, ..."""
         self._drive(self._plan_register(namespace, (num_layers, num_kv_heads, head_dim), timeout_s))
 
+    def calibrate(self, namespace: str, calibration: Any, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Give ``namespace`` (registered) a calibration (a :class:`kvd.calibration.Calibration` or its
+        ``to_dict()``) on every shard (protocol 1.7, docs/protocol.md §6.13); in a cluster the coordinator keeps
+        it with the namespace and hands it to every shard, a restarted or later one too. Pages sealed from then
+        on follow it. Returns the state: ``{"state": "active" | "quarantined" | ..., "reason", "digest",
+        "model", "levels": {level: {"budget", "mean", "worst", "bits", "met", "off", "protected"}}}``; a
+        calibration measured on another layout is quarantined (kept, never applied). Raises InvalidArgument
+        for a malformed record, UnknownNamespace, and ProtocolError when a shard is older than 1.7 (nothing is
+        sent then)."""
+        return self._drive(self._plan_calibrate(namespace, calibration, timeout_s))
+
     def append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, *, offset: int | None = None,
                dtype: str | None = None, position: int | None = None, parent: p.SeqId | None = None,
                timeout_s: float | None = None) -> int:

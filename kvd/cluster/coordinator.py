@@ -23,6 +23,12 @@ only (with the version it applies on), and namespaces are persisted in parts of 
 of their own (``.../namespaces/<i>``), of which an addition rewrites only the last. ``cluster.max_namespaces``
 bounds how many there are.
 
+Calibrations live with their namespaces: a shard serving ``calibrate`` hands the record to the coordinator first
+(:meth:`Coordinator.add_calibration`), which keeps it (the latest per namespace), persists it under a key of
+its own (``.../calibrations/<namespace in hex>``: a calibration is a few KB, and setting one rewrites only its
+own key) and pushes it to every shard before answering; shards get every calibration with their registration
+and what they lack with their reports (``calibrations_version``), as namespaces.
+
 Clients get the topology only once it is complete and persisted: a fresh cluster answers ``Busy`` (retry)
 until every expected shard registered; every published topology was saved first, so a restarted coordinator
 serves it again at once under the same epoch, and never names a different shard list with an epoch that was
@@ -93,6 +99,27 @@ class RayKV:
         """The store of part ``index`` of the state kept apart (the namespaces), under a key of its own."""
         return RayKV(f"{self._key}/namespaces/{index}")
 
+    def calibration(self, namespace: str) -> RayKV:
+        """The store of ``namespace``'s calibration, under a key of its own."""
+        return RayKV(f"{self._key}/calibrations/{namespace.encode().hex()}")
+
+    def calibrations(self) -> dict[str, Any]:
+        """Every calibration saved: ``{namespace: record}`` ({} when none, or the GCS did not answer)."""
+        from ray.experimental import internal_kv
+
+        prefix = f"{self._key}/calibrations/"
+        try:
+            keys = internal_kv._internal_kv_list(prefix, namespace=_KV_NAMESPACE)
+        except Exception as exc:  # noqa: BLE001 - as load(): start without them; shards hand theirs over
+            log.warning("cannot list calibrations under %s: %s", prefix, exc)
+            return {}
+        out: dict[str, Any] = {}
+        for key in keys:
+            item = RayKV(key.decode() if isinstance(key, bytes) else str(key)).load()
+            if isinstance(item.get("namespace"), str) and isinstance(item.get("calibration"), dict):
+                out[item["namespace"]] = item["calibration"]
+        return out
+
     def load(self) -> dict[str, Any]:
         from ray.experimental import internal_kv
 
@@ -126,6 +153,8 @@ class RayKV:
         try:
             internal_kv._internal_kv_del(self._key, namespace=_KV_NAMESPACE)
             internal_kv._internal_kv_del(f"{self._key}/namespaces/", del_by_prefix=True, namespace=_KV_NAMESPACE)
+            internal_kv._internal_kv_del(f"{self._key}/calibrations/", del_by_prefix=True,
+                                         namespace=_KV_NAMESPACE)
         except Exception as exc:  # noqa: BLE001
             log.warning("cannot delete coordinator state %s: %s", self._key, exc)
 
@@ -171,9 +200,13 @@ class Coordinator:
             recovered_shards=_list_of_maps(state.get("shards")),
             recovered_namespaces=self._load_namespaces(state),
             recovered_namespaces_version=int(state.get("namespaces_version", 0) or 0),
+            recovered_calibrations=self._load_calibrations() if state else None,
+            recovered_calibrations_version=int(state.get("calibrations_version", 0) or 0),
             max_namespaces=self._cluster.max_namespaces,
         )
         self._namespaces_saved = self._membership.namespace_count  # persisted: every part up to this many
+        # the digest of each namespace's calibration as persisted
+        self._calibrations_saved = {k: r.get("digest") for k, r in self._membership.calibrations().items()}
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
         self._persist_lock = threading.Lock()
@@ -229,15 +262,20 @@ class Coordinator:
     # ----------------------------------------------------------------------------------- shard-facing
 
     def register(self, shard_id: str, endpoint: str, incarnation: str, node: str = "", topology_epoch: int = 0,
-                 namespaces: dict[str, Any] | None = None) -> dict[str, Any]:
+                 namespaces: dict[str, Any] | None = None,
+                 calibrations: dict[str, Any] | None = None) -> dict[str, Any]:
         """A shard (re)started: returns ``{"level": tag, "epoch": int, "topology_epoch": int}`` to apply, plus
-        every namespace (``namespaces``, ``namespaces_version``) and, once published, the ``routing``.
-        ``topology_epoch`` / ``namespaces``: what the shard had (kept from before a coordinator restart)."""
+        every namespace (``namespaces``, ``namespaces_version``), every calibration (``calibrations``,
+        ``calibrations_version``) and, once published, the ``routing``. ``topology_epoch`` / ``namespaces`` /
+        ``calibrations``: what the shard had (kept from before a coordinator restart, or on its disk)."""
         before = self._membership.topology_epoch
+        calibrations_before = self._membership.calibrations_version
         reg = self._membership.register(shard_id, endpoint, incarnation=incarnation, node=node, now=self._clock(),
-                                        topology_epoch=topology_epoch, namespaces=namespaces)
+                                        topology_epoch=topology_epoch, namespaces=namespaces,
+                                        calibrations=calibrations)
         self._persist()
-        if self._membership.topology_epoch != before or namespaces:
+        if (self._membership.topology_epoch != before or namespaces
+                or self._membership.calibrations_version != calibrations_before):
             self._resync.set()
         log.info("shard %s registered at %s (incarnation %s)", shard_id, endpoint, incarnation)
         sync = self._membership.shard_sync(topology_epoch=-1, namespaces_version=-1, now=self._clock())
@@ -248,15 +286,37 @@ class Coordinator:
         to every shard (or the push timed out: a shard that missed it gets it with its next report);
         ``{"ok": False, "code", "error", "message"}`` for a layout the cluster knows otherwise."""
         before = self._membership.namespaces_version
+        return self._cluster_wide(lambda: self._membership.add_namespace(namespace, layout),
+                                  f"namespace {namespace} registered with layout {list(layout)}",
+                                  namespaces_from=before)  # what was added since `before` only
+
+    def add_calibration(self, namespace: str, record: dict[str, Any]) -> dict[str, Any]:
+        """A shard serves ``calibrate`` (``record``: a checked ``Calibration.to_dict()``): keep it with the
+        namespace. ``{"ok": True}`` once it is persisted and pushed to every shard (or the push timed out: a
+        shard that missed it gets it with its next report); ``{"ok": False, "code", "error", "message"}`` for a
+        namespace the cluster does not know."""
+        before = self._membership.calibrations_version
+        return self._cluster_wide(lambda: self._membership.set_calibration(namespace, record),
+                                  f"namespace {namespace} calibrated ({str(record.get('digest'))[:16]})",
+                                  namespaces_from=self._membership.namespaces_version, calibrations_from=before)
+
+    def _cluster_wide(self, change: Callable[[], bool], done: str, **since: int) -> dict[str, Any]:
+        """Apply ``change`` to membership; if it changed anything, persist it (a failed save is retried by
+        housekeeping) and push what changed ``since`` to every shard. The reply of add_namespace and
+        add_calibration."""
         try:
-            added = self._membership.add_namespace(namespace, layout)
+            changed = change()
         except KvdError as exc:
             return {"ok": False, "code": exc.code, "error": type(exc).__name__, "message": str(exc)}
-        if added:
+        if changed:
             self._persist()
-            log.info("namespace %s registered with layout %s", namespace, list(layout))
-            self._push(wait_s=_PUSH_TIMEOUT_S, namespaces_from=before)  # what was added since `before` only
+            log.info(done)
+            self._push(wait_s=_PUSH_TIMEOUT_S, **since)
         return {"ok": True}
+
+    def calibrations(self) -> dict[str, dict[str, Any]]:
+        """Every namespace's calibration record, as the coordinator keeps it."""
+        return self._membership.calibrations()
 
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
         """One shard report (the fields of :class:`ShardReport`). Returns ``{"known": bool, "level", "epoch"}``;
@@ -272,6 +332,7 @@ class Coordinator:
         assert outcome.level is not None
         sync = self._membership.shard_sync(topology_epoch=int(report.get("topology_epoch", 0)),
                                            namespaces_version=int(report.get("namespaces_version", 0)),
+                                           calibrations_version=int(report.get("calibrations_version", 0)),
                                            now=self._clock())
         return {"known": True, "level": outcome.level.tag, "epoch": outcome.epoch, "reason": outcome.reason,
                 **sync}
@@ -299,6 +360,7 @@ class Coordinator:
         snap["restarted"] = self._restarted
         snap["topology_published"] = self._served is not None
         snap["namespaces"] = len(self._membership.namespaces()[1])
+        snap["calibrations"] = len(self._membership.calibrations())
         snap["clock"] = self._clock()
         return snap
 
@@ -323,8 +385,8 @@ class Coordinator:
         or published, and the next call (housekeeping makes one every ``_HOUSEKEEPING_S``) tries again."""
         # One writer at a time, so a slower save of an older state never lands after a newer one.
         with self._persist_lock:
-            if not self._save_namespaces():
-                return False  # the state must never count namespaces whose part was not saved
+            if not self._save_namespaces() or not self._save_calibrations():
+                return False  # the state must never count namespaces or calibrations that were not saved
             state = self._membership.state()
             state["endpoint"] = self._server.endpoint
             state["namespace_count"] = self._namespaces_saved
@@ -364,6 +426,33 @@ class Coordinator:
         self._namespaces_saved = count
         return True
 
+    def _load_calibrations(self) -> dict[str, Any]:
+        """The persisted calibrations whose record still reads as one (a damaged one is left out, logged)."""
+        from kvd.calibration import from_dict
+
+        out = {}
+        for name, record in self._kv.calibrations().items():
+            try:
+                from_dict(record)
+            except KvdError as exc:
+                log.warning("coordinator state: calibration of namespace %s is unreadable (%s); left out", name,
+                            exc)
+                continue
+            out[name] = record
+        return out
+
+    def _save_calibrations(self) -> bool:
+        """(Under the persist lock) save each calibration set since the last save, under its own key. False if
+        a save failed (retried with the next)."""
+        for name, record in self._membership.calibrations().items():
+            digest = record.get("digest")
+            if self._calibrations_saved.get(name) == digest:
+                continue
+            if not self._kv.calibration(name).save({"namespace": name, "calibration": record}):
+                return False
+            self._calibrations_saved[name] = digest
+        return True
+
     def _client_topology(self) -> dict[str, Any]:
         """What the topology endpoint serves: the last published topology, with the level in force; ``Busy``
         (retry) until membership is complete."""
@@ -374,13 +463,14 @@ class Coordinator:
                        f"registered yet: {', '.join(missing[:8])}); retry after a short backoff")
         return {**served, "level": self._membership.level.tag, "level_epoch": self._membership.epoch}
 
-    def _push(self, *, wait_s: float, namespaces_from: int = -1) -> None:
-        """Send every shard the routing and the namespaces added after version ``namespaces_from`` (-1: all)
-        (``Shard.sync``); wait up to ``wait_s`` for them."""
+    def _push(self, *, wait_s: float, namespaces_from: int = -1, calibrations_from: int = -1) -> None:
+        """Send every shard the routing, the namespaces added after version ``namespaces_from`` and the
+        calibrations set after ``calibrations_from`` (-1: all) (``Shard.sync``); wait up to ``wait_s`` for
+        them."""
         import ray
 
         payload = self._membership.shard_sync(topology_epoch=-1, namespaces_version=namespaces_from,
-                                              now=self._clock())
+                                              calibrations_version=calibrations_from, now=self._clock())
         refs: dict[Any, str] = {}
         for state in self._membership.shards():
             try:

@@ -47,6 +47,13 @@ that lost the state, or from a lost predecessor) is sent them all. A registratio
 however many namespaces exist, and ``max_namespaces`` bounds how many there are (:class:`InvalidArgument` past
 it: every namespace costs memory in the coordinator, in every shard and in Ray's state).
 
+Calibrations. A namespace's calibration (kvd.calibration) lives with the namespace: the coordinator keeps the
+latest record of each (:meth:`Membership.set_calibration`; a record whose digest it already has changes
+nothing) and hands it to every shard the way it hands namespaces, counted by ``calibrations_version``: a shard
+behind is sent the calibrations set after its version (``calibrations_from``), or all of them when this
+coordinator cannot tell. A shard that registers hands over the calibrations it holds (from its disk tier)
+where the cluster has none for that namespace.
+
 Restarts. A coordinator restarted with ``recovered_epoch`` / ``recovered_level`` (from persistent storage)
 continues from there; a report carrying a newer epoch than the coordinator knows raises the floor, so no epoch
 is ever issued twice or backwards. Until every expected shard has reported (or ``stale_after_s`` has passed)
@@ -62,7 +69,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvd.errors import InvalidArgument, LayoutMismatch
+from kvd.errors import InvalidArgument, LayoutMismatch, UnknownNamespace
 from kvd.policy import Level, Policy
 
 __all__ = ["Membership", "ShardReport", "ShardState", "LevelOrder", "Registration", "ReportOutcome", "LevelChange"]
@@ -90,11 +97,13 @@ class ShardReport:
     ahead: str | None = None  # the level the shard runs at under its own pressure, above `level`
     topology_epoch: int = 0  # of the routing the shard enforces (0: none yet)
     namespaces_version: int = 0  # of the namespaces the shard was last handed
+    calibrations_version: int = 0  # of the calibrations the shard was last handed
 
     def __post_init__(self) -> None:
         if not self.shard_id or not isinstance(self.shard_id, str):
             raise InvalidArgument(f"shard_id must be a non-empty str, got {self.shard_id!r}")
-        for name in ("used_bytes", "capacity_bytes", "epoch", "topology_epoch", "namespaces_version"):
+        for name in ("used_bytes", "capacity_bytes", "epoch", "topology_epoch", "namespaces_version",
+                     "calibrations_version"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidArgument(f"{name} must be a non-negative int, got {value!r}")
@@ -218,6 +227,8 @@ class Membership:
         recovered_shards: Iterable[dict[str, Any]] = (),
         recovered_namespaces: dict[str, Any] | None = None,
         recovered_namespaces_version: int = 0,
+        recovered_calibrations: dict[str, Any] | None = None,
+        recovered_calibrations_version: int = 0,
         ready_grace_s: float | None = None,
         max_namespaces: int | None = None,
     ) -> None:
@@ -259,6 +270,12 @@ class Membership:
         self._order: list[str] = list(self._namespaces)
         self._recovered, self._base = len(self._order), self._namespaces_version
         self._max_namespaces = max_namespaces
+        # calibration records by namespace (Calibration.to_dict()) and the version each was set at; recovered
+        # ones at the recovered version, so a shard at that version or later is not sent them again
+        self._calibrations: dict[str, dict[str, Any]] = dict(recovered_calibrations or {})
+        self._calibrations_version = max(int(recovered_calibrations_version), len(self._calibrations))
+        self._cal_base = self._calibrations_version
+        self._cal_set: dict[str, int] = dict.fromkeys(self._calibrations, self._cal_base)
         if recovered_epoch > 0 and recovered_level is not None:
             self._level = Level.parse(recovered_level)
             self._epoch = int(recovered_epoch)
@@ -303,6 +320,7 @@ class Membership:
                 "shards": [{"id": s.shard_id, "endpoint": s.endpoint, "incarnation": s.incarnation, "node": s.node}
                            for _, s in sorted(self._shards.items())],
                 "namespaces_version": self._namespaces_version,
+                "calibrations_version": self._calibrations_version,
             }
 
     # ------------------------------------------------------------------------------------------- events
@@ -317,13 +335,15 @@ class Membership:
         node: str = "",
         topology_epoch: int = 0,
         namespaces: dict[str, Any] | None = None,
+        calibrations: dict[str, Any] | None = None,
     ) -> Registration:
         """A shard (re)started and serves ``endpoint``. Returns the level and epoch it must apply now.
 
         A new id, a new endpoint or a new ``incarnation`` bumps the topology epoch; a new incarnation of a
         known id counts a restart and forgets the old process's figures (it came back empty).
         ``topology_epoch``: the newest the shard was handed (this epoch goes past it); ``namespaces``: the
-        shard's own (``{name: (layers, kv_heads, head_dim)}``), added where the cluster has none of that name.
+        shard's own (``{name: (layers, kv_heads, head_dim)}``), added where the cluster has none of that name;
+        ``calibrations``: the shard's own (``{name: record}``), likewise.
         """
         if not shard_id or not isinstance(shard_id, str):
             raise InvalidArgument(f"shard_id must be a non-empty str, got {shard_id!r}")
@@ -334,6 +354,9 @@ class Membership:
             for name, layout in (namespaces or {}).items():
                 if name not in self._namespaces:
                     self._add(str(name), _layout(name, layout))
+            for name, record in (calibrations or {}).items():
+                if name in self._namespaces and name not in self._calibrations:
+                    self._set_calibration(str(name), record)
             old = self._shards.get(shard_id)
             if old is None:
                 self._shards[shard_id] = ShardState(
@@ -439,6 +462,37 @@ class Membership:
             self._add(namespace, new)
             return True
 
+    def set_calibration(self, namespace: str, record: dict[str, Any]) -> bool:
+        """Keep ``record`` (a checked :meth:`kvd.calibration.Calibration.to_dict`) as ``namespace``'s
+        calibration. True if it changed; False if the namespace has a calibration of the same digest.
+        :class:`UnknownNamespace` for a namespace the cluster does not know."""
+        if not isinstance(record, dict) or not isinstance(record.get("digest"), str):
+            raise InvalidArgument(f"a calibration record must be a map with a digest, got {type(record).__name__}")
+        with self._lock:
+            if namespace not in self._namespaces:
+                raise UnknownNamespace(f"namespace {namespace!r} is not registered in this cluster: register it "
+                                       "before giving it a calibration")
+            old = self._calibrations.get(namespace)
+            if old is not None and old.get("digest") == record["digest"]:
+                return False
+            self._set_calibration(namespace, record)
+            return True
+
+    def _set_calibration(self, name: str, record: dict[str, Any]) -> None:
+        self._calibrations_version += 1
+        self._calibrations[name] = record
+        self._cal_set[name] = self._calibrations_version
+
+    @property
+    def calibrations_version(self) -> int:
+        with self._lock:
+            return self._calibrations_version
+
+    def calibrations(self) -> dict[str, dict[str, Any]]:
+        """``{namespace: calibration record}`` of every calibrated namespace."""
+        with self._lock:
+            return dict(self._calibrations)
+
     def _add(self, name: str, layout: tuple[int, int, int]) -> None:
         self._namespaces[name] = layout
         self._order.append(name)
@@ -476,15 +530,18 @@ class Membership:
             return self._topology()
 
     def shard_sync(
-        self, *, topology_epoch: int, namespaces_version: int, now: float | None = None
+        self, *, topology_epoch: int, namespaces_version: int, now: float | None = None,
+        calibrations_version: int = -1,
     ) -> dict[str, Any]:
         """What a shard that has ``topology_epoch`` / ``namespaces_version`` lacks: ``routing`` (``{"epoch",
         "shards": [ids]}``, only once the topology is published) and ``namespaces`` (``{name: [L, H, D]}``),
         each only when it differs; ``namespaces_version`` always. ``namespaces`` holds the ones added after the
         shard's version, with ``namespaces_from`` (that version) when this coordinator added all of them; every
-        namespace, without ``namespaces_from``, when it cannot tell which the shard lacks."""
+        namespace, without ``namespaces_from``, when it cannot tell which the shard lacks. ``calibrations``
+        (``{name: record}``) likewise for a shard at ``calibrations_version``, with ``calibrations_from``."""
         with self._lock:
-            out: dict[str, Any] = {"namespaces_version": self._namespaces_version}
+            out: dict[str, Any] = {"namespaces_version": self._namespaces_version,
+                                   "calibrations_version": self._calibrations_version}
             if self._is_ready(self._started_at if now is None else now) and topology_epoch != self._topology_epoch:
                 out["routing"] = {"epoch": self._topology_epoch, "shards": sorted(self._shards)}
             if namespaces_version != self._namespaces_version:
@@ -494,6 +551,13 @@ class Membership:
                 else:
                     names = self._order
                 out["namespaces"] = {k: list(self._namespaces[k]) for k in names}
+            have = calibrations_version
+            if have != self._calibrations_version:
+                if self._cal_base <= have < self._calibrations_version:
+                    out["calibrations"] = {k: r for k, r in self._calibrations.items() if self._cal_set[k] > have}
+                    out["calibrations_from"] = have
+                else:
+                    out["calibrations"] = dict(self._calibrations)
             return out
 
     def expected_missing(self) -> list[str]:

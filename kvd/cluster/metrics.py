@@ -79,6 +79,14 @@ class StatusMetrics:
                                                       "compactly (compaction)", labels=["shard"]),
             "squeezes": CounterMetricFamily("kvd_shard_squeezes", "Appends that compressed pages to make room",
                                             labels=["shard"]),
+            "calibration_held_pages": CounterMetricFamily(
+                "kvd_shard_calibration_held_pages", "Pages sealed with heads a calibration held at a less compact "
+                "level (or kept fp16)", labels=["shard"]),
+            "calibration_raw_pages": CounterMetricFamily(
+                "kvd_shard_calibration_raw_pages", "Pages kept fp16 because of calibration (a level it turned "
+                "off, or a required calibration missing)", labels=["shard"]),
+            "calibrated_namespaces": g("kvd_shard_calibrated_namespaces", "Namespaces whose calibration is active",
+                                       labels=["shard"]),
             "rps": g("kvd_shard_requests_per_second", "Requests per second", labels=["shard"]),
         }
         serving: dict[str, Any] = {  # the server's counters (docs/protocol.md §6.8), where a shard reports them
@@ -115,7 +123,8 @@ class StatusMetrics:
             families["level"].add_metric([sid], rank.get(str(s.get("level")), -1))
             families["rps"].add_metric([sid], float(s.get("server_requests_per_s") or 0.0))
             for key in ("epoch", "pressure", "used_bytes", "capacity_bytes", "tokens", "sequences", "evictions",
-                        "refusals", "recompressed_pages", "squeezes"):
+                        "refusals", "recompressed_pages", "squeezes", "calibration_held_pages",
+                        "calibration_raw_pages", "calibrated_namespaces"):
                 families[key].add_metric([sid], float(s.get(key, 0)))
             for key, family in serving.items():
                 if (value := server_count(s, key)) is not None:

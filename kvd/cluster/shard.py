@@ -24,7 +24,9 @@ namespace before it is published, and refuses sequences another shard owns (Wron
 served by this shard is made cluster-wide first (``Coordinator.add_namespace``, which pushes it to every
 shard); if the coordinator cannot be reached the namespace is registered here and handed over with the next
 registration or report. Reports carry the epoch and namespaces version the shard has, and their replies
-whatever it lacks; the coordinator also pushes changes (:meth:`Shard.sync`).
+whatever it lacks; the coordinator also pushes changes (:meth:`Shard.sync`). Calibrations travel the same way:
+``calibrate`` served here is handed to the coordinator first (``Coordinator.add_calibration``), the
+registration reply hands over every calibration of the cluster, and reports carry ``calibrations_version``.
 
 Data never passes through this actor's Ray methods: clients talk to the ShardServer directly.
 """
@@ -41,7 +43,7 @@ import uuid
 from typing import Any
 
 from kvd.config.settings import Config
-from kvd.errors import ConfigError, InvalidArgument, KvdError, LayoutMismatch, error_for_code
+from kvd.errors import ConfigError, InvalidArgument, KvdError, error_for_code
 from kvd.store import buffers
 
 __all__ = ["Shard"]
@@ -121,6 +123,7 @@ class Shard:
                 max_reply_bytes=config.cluster.shard_reply_bytes,
                 incarnation=self._incarnation,
                 on_register=self._register_namespace,
+                on_calibrate=self._calibrate_namespace,
                 starting=True,  # no data before the cluster's namespaces are known (the first registration)
             )
             try:
@@ -141,6 +144,8 @@ class Shard:
         # registered here, not yet known to the coordinator: at first, those of the sequences its disk holds
         self._pending: dict[str, tuple[int, int, int]] = self._store.layouts()
         self._namespaces_version = 0
+        self._pending_cals: dict[str, dict[str, Any]] = {}  # calibrated here, not yet kept by the coordinator
+        self._calibrations_version = 0
         self._stopped = threading.Event()
         self._registered = threading.Event()
         self._coordinator: Any = None
@@ -229,6 +234,15 @@ class Shard:
                     self._namespaces_version = version
                 elif base <= self._namespaces_version < version:
                     self._namespaces_version = version
+        calibrations = state.get("calibrations")
+        if isinstance(calibrations, dict):
+            for name, record in calibrations.items():
+                self._learn_calibration(name, record)
+            version = state.get("calibrations_version")
+            base = state.get("calibrations_from")
+            with self._namespaces_lock:
+                if isinstance(version, int) and (base is None or base <= self._calibrations_version < version):
+                    self._calibrations_version = version
         routing = state.get("routing")
         if isinstance(routing, dict) and self._server.set_routing(int(routing["epoch"]), list(routing["shards"])):
             log.info("shard %s routes by topology epoch %d", self._shard_id, int(routing["epoch"]))
@@ -246,11 +260,49 @@ class Shard:
         with self._namespaces_lock:
             self._namespaces[name] = layout
 
+    def _learn_calibration(self, name: str, record: dict[str, Any]) -> None:
+        if self._store.calibration_state(name).get("digest") == record.get("digest"):
+            return  # held already (the disk tier's copy, or an earlier push): its file is not rewritten
+        try:
+            self._store.calibrate(name, record)
+        except KvdError as exc:
+            log.error("shard %s cannot take the calibration of namespace %s from the coordinator: %s",
+                      self._shard_id, name, exc)
+
+    def _calibrate_namespace(self, namespace: str, calibration: Any) -> None:
+        """The server's ``calibrate`` hook (serving thread): make it cluster-wide before it is applied here.
+        If the coordinator does not answer within ``_ADD_NAMESPACE_S``, applies it here only and hands it over
+        later (the reporter)."""
+
+        record = calibration.to_dict()
+        if not self._hand_to_coordinator("add_calibration", namespace, record, what="calibration"):
+            with self._namespaces_lock:
+                self._pending_cals[namespace] = record
+
+    def _hand_to_coordinator(self, method: str, namespace: str, arg: Any, *, what: str) -> bool:
+        """Call the coordinator's ``method(namespace, arg)`` (``add_namespace``, ``add_calibration``) within
+        ``_ADD_NAMESPACE_S``: True once it took it, False when it is away (the caller keeps it for the reporter
+        to hand over); raises the error it refused it with."""
+        import ray
+
+        coordinator = self._coordinator
+        if coordinator is None or not self._registered.is_set():
+            return False
+        try:
+            reply = ray.get(getattr(coordinator, method).remote(namespace, arg),
+                            timeout=min(_ADD_NAMESPACE_S, self._config.cluster.ray_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - the coordinator is away: keep it for later
+            log.warning("shard %s: %s of %s not handed to the coordinator yet: %s", self._shard_id, what,
+                        namespace, exc)
+            return False
+        if not reply.get("ok"):
+            raise error_for_code(int(reply.get("code", KvdError.code)), str(reply.get("message")))
+        return True
+
     def _register_namespace(self, namespace: str, layout: tuple[int, int, int]) -> None:
         """The server's ``register`` hook (serving thread): make it cluster-wide before it is applied here.
         Raises LayoutMismatch if the cluster has another layout; if the coordinator does not answer within
         ``_ADD_NAMESPACE_S``, registers here only and hands it over later (the reporter)."""
-        import ray
 
         with self._namespaces_lock:
             if self._namespaces.get(namespace) == layout:
@@ -260,20 +312,9 @@ class Shard:
             raise InvalidArgument(f"namespace {namespace!r} was not registered: shard {self._shard_id} holds "
                                   f"{held} namespaces, the limit (cluster.max_namespaces = {limit}); reuse one, "
                                   "or raise cluster.max_namespaces")
-        coordinator = self._coordinator
-        if coordinator is not None and self._registered.is_set():
-            try:
-                reply = ray.get(coordinator.add_namespace.remote(namespace, list(layout)),
-                                timeout=min(_ADD_NAMESPACE_S, self._config.cluster.ray_timeout_s))
-            except Exception as exc:  # noqa: BLE001 - the coordinator is away: keep it for later
-                log.warning("shard %s: namespace %s not handed to the coordinator yet: %s", self._shard_id,
-                            namespace, exc)
-            else:
-                if not reply.get("ok"):
-                    raise error_for_code(int(reply.get("code", LayoutMismatch.code)), str(reply.get("message")))
-                return
-        with self._namespaces_lock:
-            self._pending[namespace] = layout
+        if not self._hand_to_coordinator("add_namespace", namespace, list(layout), what="namespace"):
+            with self._namespaces_lock:
+                self._pending[namespace] = layout
 
     def _hand_over_pending(self, timeout_s: float) -> None:
         """Namespaces registered here while the coordinator was away: make them cluster-wide now."""
@@ -288,6 +329,16 @@ class Shard:
                           self._shard_id, name, list(layout), reply.get("message"))
             with self._namespaces_lock:
                 self._pending.pop(name, None)
+        with self._namespaces_lock:
+            cals = dict(self._pending_cals)
+        for name, record in cals.items():
+            reply = ray.get(self._coordinator.add_calibration.remote(name, record), timeout=timeout_s)
+            if not reply.get("ok"):
+                log.error("shard %s: calibration of %s made here was refused by the coordinator: %s",
+                          self._shard_id, name, reply.get("message"))
+            with self._namespaces_lock:
+                if self._pending_cals.get(name) is record:
+                    del self._pending_cals[name]
 
     def _report_loop(self) -> None:
         import ray
@@ -305,17 +356,18 @@ class Shard:
                 if not self._registered.is_set():
                     with self._namespaces_lock:
                         mine = {k: list(v) for k, v in {**self._namespaces, **self._pending}.items()}
+                    cals = self._store.calibration_records()  # from its disk tier: where the cluster has none
                     reply = ray.get(
                         self._coordinator.register.remote(
                             self._shard_id, self._endpoint, self._incarnation, self._node,
-                            self._server.topology_epoch, mine,
+                            self._server.topology_epoch, mine, cals,
                         ),
                         timeout=timeout_s,
                     )
                     self._apply(reply)
                     self._registered.set()
                     self._server.open_for_data()
-                if self._pending:
+                if self._pending or self._pending_cals:
                     self._hand_over_pending(timeout_s)
                 stats = self._store.stats()
                 reply = ray.get(
@@ -333,6 +385,7 @@ class Shard:
                             "ahead": stats["ahead"],
                             "topology_epoch": self._server.topology_epoch,
                             "namespaces_version": self._namespaces_version,
+                            "calibrations_version": self._calibrations_version,
                         }
                     ),
                     timeout=timeout_s,

@@ -47,6 +47,13 @@ multimodal inputs or prompt embeddings are neither looked up nor saved (their KV
 ids). Each block is appended with its ``position`` in the prompt (protocol 1.3), so only the prompt's first
 block keeps kvd's sink page at fp16; the others are stored at the level in force.
 
+Calibration. The connector's namespace is compressed with kvd's default protection until it has a calibration
+(kvd.calibration): capture a sample of the same model's queries, keys and values with transformers
+(:func:`kvd.integrations.capture.capture_sample`, ``path="m.npz"``), then run ``kvd calibrate NAMESPACE --sample
+m.npz`` once against the kvd; the namespace is in the start-up log line ("KvdConnector (...): namespace ...")
+and in ``kvd status``. The coordinator keeps it with the namespace and hands it to every shard, a restarted
+one too; pages sealed from then on follow it.
+
 Only ``kvd.*`` public names, torch and vLLM are imported; ``import kvd`` itself never imports this module.
 """
 

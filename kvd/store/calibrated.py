@@ -34,6 +34,7 @@ from kvd.store import pool as sp
 from kvd.store.disk import files
 
 log = logging.getLogger("kvd.store")
+STATS_NAMESPACES = 256  # namespaces whose calibration state stats lists by name (the rest are counted)
 CAL_SUFFIX = ".kvdcal"  # a namespace's calibration in a disk tier's directory (beside its spill files)
 MAX_CAL_FILE_BYTES = 4 << 20
 
@@ -123,19 +124,23 @@ class Protection:
         got = self._layers[(i, fmt)] = (kb, vb, kb + vb + sp.TRAILER_BYTES, args[0], args[1], held_any)
         return got
 
-    def reasons(self, i: int, fmt: str, sealed: bool) -> list[str]:
-        """What :meth:`kvd.store.Store.explain` says about layer ``i``'s page at ``fmt``."""
+    def reasons(self, rec: Any, fmt: str) -> list[str]:
+        """What :meth:`kvd.store.Store.explain` says about a page: the namespace's calibration state, and, for
+        the sealed record ``rec`` (None: the hot tail) at ``fmt``, the heads its own page headers keep fp16
+        beyond the store's ``raw_heads`` or hold at a less compact level (a page sealed before the calibration
+        arrived has none)."""
         out = [self.reason] if self.reason else []
-        if not sealed or fmt == RAW:
+        if rec is None or fmt == RAW:
             return out
-        plan = self._heads.get(fmt)
-        if plan is not None and self.calibration is not None:
-            for role in pages.ROLES:
-                raw, held, held_fmt = plan.page(i, role, fmt)
-                if raw:
-                    out.append(f"{role} heads {list(raw)} kept fp16 by the calibration")
-                if held:
-                    out.append(f"{role} heads {list(held)} held at {held_fmt} by the calibration")
+        kb, vb = record_sizes(rec)
+        mv = memoryview(rec)
+        for role, page in zip(pages.ROLES, (mv[:kb], mv[kb:kb + vb]), strict=True):
+            head = pages.header(page)
+            raw = [j for j in head.raw_heads if j not in self._raw_heads]
+            if raw:
+                out.append(f"{role} heads {raw} kept fp16 by the calibration")
+            if head.held_heads:
+                out.append(f"{role} heads {list(head.held_heads)} held at {head.held_level} by the calibration")
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -270,15 +275,47 @@ class Calibrating:
             names = set(self._cals) | {n for n, ns in self._ns.items() if ns.prot is not None}
             return {n: self.calibration_state(n) for n in sorted(names)}
 
+    def calibration_records(self) -> dict[str, dict[str, Any]]:
+        """Every calibration this store holds, as records (:meth:`~kvd.calibration.Calibration.to_dict`) by
+        namespace: what a shard hands its coordinator."""
+        with self._lock:
+            return {n: c.to_dict() for n, c in self._cals.items()}
+
     def needs_calibration(self, namespace: str) -> bool:
         """Whether appends to ``namespace`` should report "needs calibration"."""
         ns = self._ns.get(namespace)
         return ns is not None and ns.prot is not None and ns.prot.needs
 
     def _calibration_stats(self) -> dict[str, Any]:
+        """The counters, and by namespace (those with a calibration or a requirement first, then by name, at
+        most ``STATS_NAMESPACES``; ``calibration_unlisted`` counts the rest): ``calibration_states`` (none,
+        active, quarantined, missing, needed, pending), ``calibration_budgets`` (what each level's protection
+        achieves on the sample against its budget) and ``calibration_reasons`` (why, where not active)."""
+        names = sorted(set(self._ns) | set(self._cals),
+                       key=lambda n: (n not in self._cals and (n not in self._ns or self._ns[n].prot is None), n))
+        listed = names[:STATS_NAMESPACES]
+        states = {n: self.calibration_state(n) for n in listed}
         return {"calibration_held_pages": self._cal_held_pages, "calibration_raw_pages": self._cal_raw_pages,
                 "calibrated_namespaces": sum(1 for ns in self._ns.values()
-                                             if ns.prot is not None and ns.prot.state == "active")}
+                                             if ns.prot is not None and ns.prot.state == "active"),
+                "calibration_states": {n: s["state"] for n, s in states.items()},
+                "calibration_budgets": {n: budget_text(s["levels"]) for n, s in states.items() if s.get("levels")},
+                "calibration_reasons": {n: s["reason"] for n, s in states.items()
+                                        if s["reason"] and s["state"] != "active"},
+                "calibration_unlisted": len(names) - len(listed)}
+
+
+def budget_text(levels: dict[str, Any]) -> str:
+    """A calibration state's ``levels`` in a few words: ``"8bit 0.90% <= 1.00%, q4 5.51% <= 6.00%"``, a level
+    whose budget no protection meets cheaply enough ``"q4 off"``."""
+    parts = []
+    for name, lv in sorted(levels.items()):
+        if lv.get("off"):
+            parts.append(f"{name} off")
+        else:
+            sign = "<=" if lv.get("met") else ">"
+            parts.append(f"{name} {100 * lv['mean']:.2f}% {sign} {100 * lv['budget']:.2f}%")
+    return ", ".join(parts)
 
 
 def _cal_file(directory: str, namespace: str) -> str:
@@ -293,4 +330,4 @@ def record_sizes(rec: Any) -> tuple[int, int]:
     return kb, len(rec) - kb - sp.TRAILER_BYTES
 
 
-__all__ = ["Calibrating", "Protection", "record_sizes"]
+__all__ = ["Calibrating", "Protection", "budget_text", "record_sizes"]

@@ -492,7 +492,7 @@ def explain(seq: Seq, layer: object, token: object, p: int) -> dict[str, Any]:
         reasons.append("sink")
     if not sealed:
         if ns.prot is not None:
-            reasons += ns.prot.reasons(i, RAW, False)
+            reasons += ns.prot.reasons(None, RAW)
         return info
     if r >= seq.window_done:
         reasons.append("window")
@@ -509,7 +509,7 @@ def explain(seq: Seq, layer: object, token: object, p: int) -> dict[str, Any]:
     if ns.raw_heads and sp.FMT_NAME[cur] != RAW:
         reasons.append(f"raw heads {list(ns.raw_heads)} kept fp16")
     if ns.prot is not None:
-        reasons += ns.prot.reasons(i, sp.FMT_NAME[cur], True)
+        reasons += ns.prot.reasons(seq.pages[i][r], sp.FMT_NAME[cur])
     return info
 
 

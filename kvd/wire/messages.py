@@ -35,6 +35,9 @@ from kvd.wire.schema import (
     byte_view,
     check_array,
     check_bool,
+    check_calibration,
+    check_calibration_levels,
+    check_calibration_state,
     check_dim,
     check_get_format,
     check_index,
@@ -373,6 +376,18 @@ class AttendRequest(_Message):
         return {"queries": frame_tensor(frames[0], "queries", dtype, shape), "dtype": dtype}
 
 
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class CalibrateRequest(_Message):
+    """Store.calibrate (protocol 1.7): give ``namespace`` the ``calibration`` record (the map of
+    :meth:`kvd.calibration.Calibration.to_dict`; the server checks it with :func:`kvd.calibration.from_dict`).
+    In a cluster the shard makes it cluster-wide first. Reply: :class:`CalibrateReply`."""
+
+    OP = "calibrate"
+    FIELDS = (("namespace", check_namespace), ("calibration", check_calibration))
+    namespace: str
+    calibration: dict[str, Any]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatsRequest(_Message):
     """Store.stats. Reply: :class:`StatsReply`."""
@@ -664,6 +679,28 @@ class AttendReply(_Message):
                 "lse": frame_tensor(frames[1], "lse", "float32", shape[:2])}
 
 
+_REASON = text_in(MAX_ERROR_MESSAGE_BYTES, nonempty=False)
+_opt_text = text_in(MAX_ERROR_MESSAGE_BYTES, nonempty=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CalibrateReply(_Message):
+    """A namespace's calibration state after a ``calibrate`` (Store.calibration_state): ``state`` (``active``,
+    ``quarantined``, ...), ``reason`` (why, e.g. the layout a quarantined calibration was measured on),
+    ``digest`` and ``model`` of the calibration, and per level (``8bit``, ``q4``) its ``budget``, ``mean``,
+    ``worst``, ``bits``, ``met``, ``off`` and ``protected``."""
+
+    OP = "calibrate"
+    FIELDS = (("state", check_calibration_state), ("reason", _REASON), ("digest", _opt_text), ("model", _opt_text),
+              ("levels", check_calibration_levels))
+    OPTIONAL = ("digest", "model", "levels")
+    state: str
+    reason: str
+    digest: str = ""
+    model: str = ""
+    levels: dict[str, dict[str, Any]] | None = None  # normalised to a dict
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatsReply(_Message):
     """Store.stats() plus server counters; numpy scalars are turned into Python numbers."""
@@ -733,6 +770,7 @@ Request = (
     | LengthRequest
     | LengthsRequest
     | AttendRequest
+    | CalibrateRequest
     | StatsRequest
     | ExplainRequest
     | TopologyRequest
@@ -748,6 +786,7 @@ Reply = (
     | LengthReply
     | LengthsReply
     | AttendReply
+    | CalibrateReply
     | StatsReply
     | ExplainReply
     | TopologyReply
@@ -765,6 +804,7 @@ REQUESTS: dict[str, type[_Message]] = {
         LengthRequest,
         LengthsRequest,
         AttendRequest,
+        CalibrateRequest,
         StatsRequest,
         ExplainRequest,
         TopologyRequest,
@@ -781,6 +821,7 @@ _REPLIES: dict[str, type[_Message]] = {
         LengthReply,
         LengthsReply,
         AttendReply,
+        CalibrateReply,
         StatsReply,
         ExplainReply,
         TopologyReply,

@@ -47,6 +47,8 @@ from kvd.wire.messages import (  # noqa: F401 - messages re-exported: kvd.protoc
     AppendRequest,
     AttendReply,
     AttendRequest,
+    CalibrateReply,
+    CalibrateRequest,
     DropReply,
     DropRequest,
     ErrorReply,
@@ -77,6 +79,7 @@ from kvd.wire.routing import owner, rendezvous_score  # noqa: F401 - kept import
 from kvd.wire.schema import (  # noqa: F401 - constants re-exported: kvd.protocol is the public module
     _MIN_ARRAY_LEN,
     _MIN_HEADER_BYTES,
+    CALIBRATION_STATES,
     DEFAULT_LIMITS,
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_FRAMES,

@@ -28,13 +28,14 @@ except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype("<u2")
 
 PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
-PROTOCOL_MINOR = 6  # additions a client can discover through hello; never changes the meaning of old fields
+PROTOCOL_MINOR = 7  # additions a client can discover through hello; never changes the meaning of old fields
 # 1.1: get's ``packed`` field (pages in few frames, docs/protocol.md §6.5)
 # 1.2: the ``lengths`` operation (many sequences' lengths in one request, docs/protocol.md §6.11)
 # 1.3: append's ``position``, hello's and append's ``incarnation``, error WrongShard (docs/protocol.md §3)
 # 1.4: ``packed`` fp16 tensors: keys and values in one frame, in an append and an fp16 get reply (§6.4, §6.5)
 # 1.5: the ``attend`` operation (attention computed by the shard over its pages, docs/protocol.md §6.12)
 # 1.6: append's ``parent`` (the sequence a new one follows in a chain, for prefix-aware eviction; §6.4)
+# 1.7: the ``calibrate`` operation (a namespace's calibration, docs/protocol.md §6.13)
 MAX_LOOKUP = 4096  # seq_ids in one ``lengths`` request
 
 _KIB = 1024
@@ -189,12 +190,19 @@ def check_required_layers(name: str, value: Any, exc: type[KvdError]) -> tuple[i
     return check_layers(name, value, exc, optional=False)  # type: ignore[return-value]
 
 
-def check_get_format(name: str, value: Any, exc: type[KvdError]) -> str:
-    if not isinstance(value, str):
-        raise exc(f"{name} must be a string, got {show(value)}")
-    if value not in GET_FORMATS:
-        raise InvalidArgument(f"{name} must be one of {', '.join(GET_FORMATS)}, got {value[:80]!r}")
-    return value
+def one_of(choices: Sequence[str]) -> Check:
+    """A check of a string that must be one of ``choices``."""
+    def check(name: str, value: Any, exc: type[KvdError]) -> str:
+        if not isinstance(value, str):
+            raise exc(f"{name} must be a string, got {show(value)}")
+        if value not in choices:
+            raise InvalidArgument(f"{name} must be one of {', '.join(choices)}, got {value[:80]!r}")
+        return value
+
+    return check
+
+
+check_get_format = one_of(GET_FORMATS)
 
 
 def check_seq_ids(name: str, value: Any, exc: type[KvdError]) -> tuple[SeqId, ...]:
@@ -237,6 +245,44 @@ def check_opt_query_positions(name: str, value: Any, exc: type[KvdError]) -> tup
         if type(v) is not int or not 0 <= v <= MAX_POSITION:
             return tuple(check_position(f"{name}[{i}]", v, exc) for i, v in enumerate(items))
     return tuple(items)
+
+
+CALIBRATION_STATES = ("none", "active", "quarantined", "missing", "needed", "pending")
+MAX_CALIBRATION_KEYS = 64  # top-level keys of a calibration record (kvd.calibration.Calibration.to_dict: 12)
+
+
+def check_calibration(name: str, value: Any, exc: type[KvdError]) -> dict[str, Any]:
+    """A ``calibrate`` record: a map with string keys (its contents are checked by the server with
+    :func:`kvd.calibration.from_dict`; the header's msgpack limits bound its size)."""
+    if not isinstance(value, Mapping):
+        raise exc(f"{name} must be a map (kvd.calibration.Calibration.to_dict()), got {show(value)}")
+    if len(value) > MAX_CALIBRATION_KEYS:
+        raise InvalidArgument(f"{name} has {len(value)} keys, more than {MAX_CALIBRATION_KEYS}")
+    for key in value:
+        if not isinstance(key, str):
+            raise exc(f"{name} keys must be strings, got {show(key)}")
+    return value if type(value) is dict else dict(value)
+
+
+check_calibration_state = one_of(CALIBRATION_STATES)
+
+
+def check_calibration_levels(name: str, value: Any, exc: type[KvdError]) -> dict[str, dict[str, Any]]:
+    """A calibration state's ``levels``: nil (none) or at most 8 maps of scalars by level name."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise exc(f"{name} must be a map, got {show(value)}")
+    if len(value) > 8:
+        raise InvalidArgument(f"{name} has {len(value)} levels, more than 8")
+    out: dict[str, dict[str, Any]] = {}
+    for key, item in value.items():
+        where = f"{name}[{check_short_text(f'{name} key', key, exc)[:80]!r}]"
+        info = check_info(where, item, exc)
+        if any(isinstance(v, (dict, list)) for v in info.values()):
+            raise exc(f"{where} must be a map of scalars")
+        out[key] = info
+    return out
 
 
 def check_text_list(name: str, value: Any, exc: type[KvdError]) -> tuple[str, ...]:
@@ -386,12 +432,7 @@ MAX_SHARDS = 4096  # shards in one topology reply
 SERVER_ROLES = ("shard", "coordinator")
 
 
-def check_role(name: str, value: Any, exc: type[KvdError]) -> str:
-    if not isinstance(value, str):
-        raise exc(f"{name} must be a string, got {show(value)}")
-    if value not in SERVER_ROLES:
-        raise InvalidArgument(f"{name} must be one of {', '.join(SERVER_ROLES)}, got {value[:80]!r}")
-    return value
+check_role = one_of(SERVER_ROLES)
 
 
 def check_shards(name: str, value: Any, exc: type[KvdError]) -> tuple[dict[str, str], ...]:

@@ -93,7 +93,7 @@ def running() -> Iterator[tuple[Running, str, str, int]]:
 # ---------------------------------------------------------------------------------------------- no Ray needed
 
 
-@pytest.mark.parametrize("verb", ["up", "status", "bench", "down", "keygen", "config"])
+@pytest.mark.parametrize("verb", ["up", "status", "calibrate", "bench", "down", "keygen", "config"])
 def test_every_verb_has_help(verb: str) -> None:
     result = kvd(verb, "--help")
     assert result.returncode == 0

@@ -167,10 +167,17 @@ class MemoryKV:
     def __init__(self) -> None:
         self.data: dict[str, Any] = {}
         self.parts: dict[int, MemoryKV] = {}
+        self.cals: dict[str, MemoryKV] = {}
         self.saves = 0
 
     def part(self, index: int) -> MemoryKV:
         return self.parts.setdefault(index, MemoryKV())
+
+    def calibration(self, namespace: str) -> MemoryKV:
+        return self.cals.setdefault(namespace, MemoryKV())
+
+    def calibrations(self) -> dict[str, Any]:
+        return {k: v.load()["calibration"] for k, v in self.cals.items() if v.data}
 
     def load(self) -> dict[str, Any]:
         return json.loads(json.dumps(self.data))
@@ -181,7 +188,7 @@ class MemoryKV:
         return True
 
     def delete(self) -> None:
-        self.data, self.parts = {}, {}
+        self.data, self.parts, self.cals = {}, {}, {}
 
 
 class FailingKV(MemoryKV):

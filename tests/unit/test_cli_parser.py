@@ -12,7 +12,7 @@ import pytest
 
 from kvd.cli.main import build_parser, main
 from kvd.config import load_config
-from kvd.errors import ConfigError
+from kvd.errors import ConfigError, InvalidArgument
 
 VERBS = ("up", "status", "bench", "ping", "down", "keygen", "config")
 
@@ -72,9 +72,11 @@ def test_address_given_to_up_or_down_is_a_usage_error_naming_ray_address(
     assert "--address" not in _verb_parsers()[verb].format_help()
 
 
-@pytest.mark.parametrize("verb", ["status", "ping", "bench"])
+@pytest.mark.parametrize("verb", ["status", "ping", "bench", "calibrate"])
 def test_address_is_a_kvd_endpoint_for_the_client_verbs(verb: str) -> None:
-    assert build_parser().parse_args([verb, "--address", "tcp://127.0.0.1:7070"]).address == "tcp://127.0.0.1:7070"
+    given = ["NS", "--sample", "s.npz"] if verb == "calibrate" else []
+    args = build_parser().parse_args([verb, *given, "--address", "tcp://127.0.0.1:7070"])
+    assert args.address == "tcp://127.0.0.1:7070"
     assert "ENDPOINT" in _verb_parsers()[verb].format_help()
     with pytest.raises(SystemExit):
         build_parser().parse_args([verb, "--ray-address", "auto"])
@@ -105,6 +107,46 @@ def test_the_documented_command_lines_parse(capsys: pytest.CaptureFixture[str]) 
             if exit_.code:  # --help exits 0
                 bad.append((where, line))
     assert bad == []
+
+
+def test_kvd_calibrate_takes_the_kv_namespace_apart_from_the_ray_namespace_and_states_the_defaults() -> None:
+    from kvd.calibration import DEFAULT_BUDGETS, MIN_TOKENS
+    from kvd.cli.calibrate import HELP_BUDGETS, HELP_MIN_TOKENS
+
+    args = build_parser().parse_args(["calibrate", "kvd/vllm/m/abc", "--sample", "s.npz", "--namespace", "prod",
+                                      "--budget-q4", "0.05"])
+    assert (args.kv_namespace, args.namespace, args.budget_q4, args.budget_8bit) == ("kvd/vllm/m/abc", "prod",
+                                                                                     0.05, None)
+    assert (HELP_BUDGETS, HELP_MIN_TOKENS) == (DEFAULT_BUDGETS, MIN_TOKENS)  # what --help says is what runs
+    assert "default 0.06: 6%" in _verb_parsers()["calibrate"].format_help()
+
+
+def test_kvd_calibrate_checks_the_shards_before_it_measures() -> None:
+    from kvd.cli.calibrate import _geometry
+    from kvd.errors import ProtocolError, ShardUnavailable, UnknownNamespace
+
+    def shard(sid: str, **extra: object) -> dict[str, object]:
+        return {"shard_id": sid, "page_tokens": 64, "sink_tokens": 4, "eight_bit": "q8",
+                "calibration_states": {"m": "none"}, "calibration_unlisted": 0, **extra}
+
+    assert _geometry([shard("shard-0"), shard("shard-1")], "m") == (64, 4, "q8")
+    old = {k: v for k, v in shard("shard-1").items() if not k.startswith("calibration")}
+    with pytest.raises(ProtocolError, match=r"shard\(s\) shard-1 run a kvd older than protocol 1.7"):
+        _geometry([shard("shard-0"), old], "m")
+    with pytest.raises(UnknownNamespace, match="'x' is not registered in this kvd \\(it has: m\\)"):
+        _geometry([shard("shard-0")], "x")
+    # a shard that does not list every namespace: the calibrate operation itself says whether it is there
+    assert _geometry([shard("shard-0", calibration_unlisted=3)], "x") == (64, 4, "q8")
+    with pytest.raises(InvalidArgument, match="store pages differently"):
+        _geometry([shard("shard-0"), shard("shard-1", page_tokens=32)], "m")
+    with pytest.raises(ShardUnavailable, match="no shard answered: Timeout"):
+        _geometry([{"shard_id": "shard-0", "error": "Timeout: ..."}], "m")
+
+
+@pytest.mark.parametrize("budget", ["0", "1.5", "nan", "six"])
+def test_a_budget_outside_0_1_is_a_usage_error(budget: str, capsys: pytest.CaptureFixture[str]) -> None:
+    err = _usage_error(["calibrate", "m", "--sample", "s.npz", "--budget-q4", budget], capsys)
+    assert "--budget-q4" in err
 
 
 # ------------------------------------------------------------------------------------------ --memory's unit

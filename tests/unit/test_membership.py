@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.cluster.membership import Membership, ShardReport
-from kvd.errors import InvalidArgument, LayoutMismatch
+from kvd.errors import InvalidArgument, LayoutMismatch, UnknownNamespace
 from kvd.policy import Level, Policy, PolicyConfig
 
 pytestmark = pytest.mark.backend_independent  # the control plane's pure core: no kernel, no compiled module
@@ -523,3 +523,52 @@ def test_a_coordinator_that_lost_its_state_never_reuses_a_topology_epoch_the_sha
                             used_bytes=0, capacity_bytes=CAP, level="fp16", epoch=1, topology_epoch=epoch + 5),
                 now=c2.now)
     assert c2.m.topology_epoch > epoch + 5
+
+
+def record(digest: str) -> dict[str, object]:
+    """A calibration record as the coordinator keeps it (checked by the shard that served it)."""
+    return {"version": 1, "model": "m", "digest": digest}
+
+
+def test_a_calibration_lives_with_its_namespace_and_reaches_every_shard() -> None:
+    c = Cluster(2).start()
+    c.m.add_namespace("m", (2, 2, 8))
+    with pytest.raises(UnknownNamespace, match="'nope' is not registered"):
+        c.m.set_calibration("nope", record("a"))
+    before = c.m.calibrations_version
+    assert c.m.set_calibration("m", record("a")) is True
+    assert c.m.set_calibration("m", record("a")) is False  # the same digest again: nothing changes
+    assert c.m.state()["calibrations_version"] == before + 1
+    # a shard that registers (fresh, or restarted empty) is sent every calibration
+    assert c.m.shard_sync(topology_epoch=0, namespaces_version=0)["calibrations"] == {"m": record("a")}
+    # one in sync is sent none; one behind only those set after its version, with that version
+    assert "calibrations" not in c.m.shard_sync(topology_epoch=0, namespaces_version=0,
+                                                calibrations_version=before + 1)
+    c.m.add_namespace("n", (1, 1, 4))
+    c.m.set_calibration("n", record("b"))
+    c.m.set_calibration("m", record("c"))  # a new calibration replaces the namespace's
+    sync = c.m.shard_sync(topology_epoch=0, namespaces_version=0, calibrations_version=before + 2)
+    assert sync["calibrations"] == {"m": record("c")} and sync["calibrations_from"] == before + 2
+    assert sync["calibrations_version"] == before + 3
+    # a shard's own (from its disk tier) join where the cluster has none, and only for known namespaces
+    c.m.add_namespace("o", (1, 1, 4))
+    c.m.register("shard-0", c.endpoint["shard-0"], incarnation="shard-0-a", now=c.now,
+                 calibrations={"m": record("old"), "o": record("d"), "unknown": record("e")})
+    assert c.m.calibrations() == {"m": record("c"), "n": record("b"), "o": record("d")}
+
+
+def test_a_recovered_coordinator_keeps_calibrations_and_sends_all_to_a_shard_it_cannot_place() -> None:
+    c = Cluster(2).start()
+    c.m.add_namespace("m", (2, 2, 8))
+    c.m.set_calibration("m", record("a"))
+    version = c.m.state()["calibrations_version"]
+    r = Cluster(2, recovered_namespaces={"m": (2, 2, 8)}, recovered_calibrations=c.m.calibrations(),
+                recovered_calibrations_version=version).start()
+    assert r.m.calibrations() == {"m": record("a")}
+    assert "calibrations" not in r.m.shard_sync(topology_epoch=0, namespaces_version=0,
+                                                calibrations_version=version)
+    assert r.m.shard_sync(topology_epoch=0, namespaces_version=0,
+                          calibrations_version=version - 1)["calibrations"] == {"m": record("a")}
+    r.m.set_calibration("m", record("b"))
+    assert r.m.shard_sync(topology_epoch=0, namespaces_version=0,
+                          calibrations_version=version)["calibrations"] == {"m": record("b")}

@@ -103,9 +103,9 @@ def examples() -> dict[str, Any]:
     return {
         "hello_request": p.HelloRequest(request_id=1),
         "hello_reply": p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="0.1.0",
-                                               page_format_version=1, shard_id="shard-0", page_tokens=64),
+                                               page_format_version=2, shard_id="shard-0", page_tokens=64),
         "hello_reply_coordinator": p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="0.1.0",
-                                                           page_format_version=1, role="coordinator",
+                                                           page_format_version=2, role="coordinator",
                                                            shard_id="coordinator"),
         "ping_request": p.PingRequest(request_id=7),
         "ping_reply": p.PingReply(request_id=7),
@@ -171,7 +171,7 @@ def examples() -> dict[str, Any]:
         # protocol 1.3: a shard's incarnation, asked for in hello and named by an append; routing refusals
         "hello_request_incarnation": p.HelloRequest(request_id=20, incarnation=True),
         "hello_reply_incarnation": p.HelloReply.for_limits(p.Limits(), request_id=20, kvd_version="0.1.0",
-                                                           page_format_version=1, shard_id="shard-0",
+                                                           page_format_version=2, shard_id="shard-0",
                                                            page_tokens=64, incarnation="9f1c2ab04e"),
         "append_request_incarnation": p.AppendRequest(request_id=21, namespace="m", seq_id=7, offset=0,
                                                       incarnation="9f1c2ab04e",
@@ -195,7 +195,28 @@ def examples() -> dict[str, Any]:
                                                   queries=tensor((2, 1, 4), "float32")),
         "attend_reply": p.AttendReply(request_id=24, start=0, end=3, out=tensor((1, 2, 4), "float32"),
                                       lse=np.array([[1.5, -np.inf]], np.float32)),
+        # protocol 1.7: a namespace's calibration record (kvd.calibration.Calibration.to_dict) and its state
+        "calibrate_request": p.CalibrateRequest(request_id=26, namespace="smollm2", calibration=CALIBRATION),
+        "calibrate_reply": p.CalibrateReply(
+            request_id=26, state="active", reason="calibration 5d2c0e9e1a7f3b64 active",
+            digest="5d2c0e9e1a7f3b64c1d0a9e8f7b6a5c4", model="smollm2-135m",
+            levels={"q4": {"budget": 0.06, "mean": 0.055, "worst": 0.059, "bits": 5.2, "met": True, "off": "",
+                           "protected": 2}}),
+        "calibrate_reply_quarantined": p.CalibrateReply(
+            request_id=27, state="quarantined", reason="quarantined: calibration 5d2c0e9e1a7f3b64 was measured on "
+            "layout (layers, kv_heads, head_dim) (3, 1, 4), the namespace is (2, 1, 4)"),
     }
+
+
+# A calibration record of one layer and one KV head (a real one is what kvd.calibration.calibrate returns)
+CALIBRATION = {
+    "version": 1, "model": "smollm2-135m", "layout": [1, 1, 4], "dtype": "float16", "tokens": 256,
+    "page_tokens": 64, "sink_tokens": 4, "eight_bit": "q8", "kvd_version": "0.1.0",
+    "errors": [[[[0.0, 0.008, 0.06], [0.0, 0.007, 0.05]]]],
+    "plans": {"q4": {"budget": 0.06, "heads": [[["q8"], ["q4"]]], "mean": 0.04, "worst": 0.04, "bits": 6.1,
+                     "off": ""}},
+    "digest": "5d2c0e9e1a7f3b64c1d0a9e8f7b6a5c4",
+}
 
 
 def write_frames(path: Path, frames: list[Any]) -> None:
@@ -360,6 +381,12 @@ MESSAGES: dict[str, Any] = {
     "length_reply": st.builds(p.LengthReply, request_id=request_ids, length=positions),
     "stats_reply": st.builds(p.StatsReply, request_id=request_ids,
                              stats=st.dictionaries(utf8_text.filter(bool), stat_values, max_size=8)),
+    "calibrate_request": st.builds(p.CalibrateRequest, request_id=request_ids, namespace=namespaces,
+                                   calibration=st.dictionaries(utf8_text.filter(bool), stat_values, max_size=8)),
+    "calibrate_reply": st.builds(p.CalibrateReply, request_id=request_ids, state=st.sampled_from(
+        p.CALIBRATION_STATES), reason=st.text(max_size=200), digest=st.text(max_size=32),
+        levels=st.dictionaries(st.sampled_from(["8bit", "q4"]), st.dictionaries(
+            utf8_text.filter(bool), stat_scalars, max_size=7))),
     "explain_reply": st.builds(p.ExplainReply, request_id=request_ids, level=st.text(min_size=1, max_size=8),
                                reasons=st.lists(st.text(min_size=1, max_size=30), max_size=5).map(tuple),
                                details=st.dictionaries(utf8_text.filter(bool), stat_values, max_size=4)),

@@ -13,6 +13,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kvd.calibration import Calibration, LevelPlan
 from kvd.codec import pages
 from kvd.wire import protocol as p
 
@@ -44,7 +45,15 @@ def requests() -> list[p.Request]:
                         position=128, incarnation="7f3a9c2e"),
         # protocol 1.5: attention over tokens [0, 1) of layer 1 for one query of one head
         p.AttendRequest(request_id=14, namespace=NS, seq_id=SEQ, layer=1, queries=KEYS[0, :, :, :], end=1),
+        # protocol 1.7: a calibration of one layer and one KV head (the 8-bit rung only) for the namespace
+        p.CalibrateRequest(request_id=15, namespace=NS, calibration=CALIBRATION),
     ]
+
+
+CALIBRATION = Calibration(
+    "smollm2-135m", (1, 1, 4), "float16", 128, 64, 4, "q8", "0.1.0", (((((0.0, 0.0078125, 0.0625),) * 2),),),
+    {"8bit": LevelPlan("8bit", 0.01, ((("q8",), ("q8",)),), 0.0078125, 0.0078125, 8.25)},
+).sealed().to_dict()
 
 
 def show(header: bytes) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.cli.status import disk_table, imbalance, serving_table, shard_table, status_line
+from kvd.cli.status import calibration_table, disk_table, imbalance, serving_table, shard_table, status_line
 from kvd.cluster.metrics import StatusMetrics
 
 pytestmark = pytest.mark.backend_independent  # kvd status tables from given figures: no kernel, no compiled module
@@ -143,3 +143,50 @@ def test_every_metric_the_exporter_serves_is_named_in_the_cluster_readme() -> No
         metrics.close()
     assert len(served) > 45 and "kvd_shard_disk_reads_total" in served
     assert sorted(name for name in served if f"`{name}" not in readme) == []
+
+
+# Calibration stats as a real store reports them (tests/unit/test_store_calibration.py checks the store's keys)
+CALIBRATED = {
+    "calibration_states": {"llama": "active", "plain": "none", "wrong": "quarantined"},
+    "calibration_budgets": {"llama": "8bit 0.90% <= 1.00%, q4 5.51% <= 6.00%", "wrong": "8bit 0.90% <= 1.00%"},
+    "calibration_reasons": {"wrong": "quarantined: calibration 5d2c0e9e1a7f3b64 was measured on layout (layers, "
+                                     "kv_heads, head_dim) (3, 4, 32), the namespace is (3, 4, 64)"},
+    "calibration_unlisted": 0, "calibration_held_pages": 12, "calibration_raw_pages": 3,
+    "calibrated_namespaces": 1,
+}
+
+
+def test_kvd_status_lists_each_namespaces_calibration_state_and_the_budgets_met() -> None:
+    behind = {**CALIBRATED, "calibration_states": {**CALIBRATED["calibration_states"], "llama": "none"}}
+    out = shard_table([("shard-0", shard("q4", 0.5, **CALIBRATED)), ("shard-1", shard("q4", 0.5, **behind)),
+                       ("shard-2", None)])
+    assert "namespaces and their calibration (kvd calibrate)" in out
+    table = calibration_table([("shard-0", shard("q4", 0.5, **CALIBRATED)), ("shard-1", shard("q4", 0.5,
+                                                                                         **CALIBRATED))])
+    lines = table.splitlines()
+    assert lines[0].split()[:2] == ["namespace", "calibration"]
+    assert lines[2].split()[:2] == ["llama", "active"]
+    assert lines[2].endswith("8bit 0.90% <= 1.00%, q4 5.51% <= 6.00%")
+    assert lines[3].split() == ["plain", "none", "-"]
+    assert lines[4].split()[:2] == ["wrong", "quarantined"]
+    assert "  wrong: quarantined: calibration 5d2c0e9e1a7f3b64 was measured on layout" in table
+    assert lines[-1] == "pages held back by calibrations: 24 at a less compact level, 6 kept fp16"
+    # shards that disagree (one has not got it yet) say so, naming each
+    mixed = calibration_table([("shard-0", shard("q4", 0.5, **CALIBRATED)),
+                               ("shard-1", shard("q4", 0.5, **behind))]).splitlines()
+    assert mixed[2].split()[0] == "llama" and "mixed: shard-0 active, shard-1 none" in mixed[2]
+    assert calibration_table([("shard-0", shard("q4", 0.5))]) == ""  # no namespace reported: no table
+
+
+def test_the_exporter_counts_pages_held_back_by_calibration() -> None:
+    pytest.importorskip("prometheus_client")
+    metrics = StatusMetrics(0, "127.0.0.1")
+    try:
+        cluster = {"level": "q4", "level_epoch": 1, "pressure": 0.5, "topology_epoch": 1}
+        metrics.update(cluster, {"shard-0": shard("q4", 0.5, **CALIBRATED)})
+        got = {smp.name: smp.value for m in metrics.collect() for smp in m.samples
+               if smp.labels.get("shard") == "shard-0" and "calibrat" in smp.name}
+        assert got == {"kvd_shard_calibration_held_pages_total": 12, "kvd_shard_calibration_raw_pages_total": 3,
+                       "kvd_shard_calibrated_namespaces": 1}
+    finally:
+        metrics.close()

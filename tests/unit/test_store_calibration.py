@@ -105,6 +105,36 @@ def test_a_calibrated_namespace_seals_the_heads_its_calibration_protects(level: 
     assert any(("held at q8" if fmt == "q4" else "kept fp16 by the calibration") in r for r in reasons)
 
 
+def test_explain_names_the_protection_a_page_holds_not_the_one_in_force_now() -> None:
+    s = store()
+    s.set_level("q4", 1)
+    k, v = kv(3 * P, seed=5)
+    s.append(NS, "before", k, v)
+    s.calibrate(NS, calibration())
+    s.append(NS, "after", k, v)
+    after = s.explain(NS, "after", 0, P + 1)["reasons"]
+    assert "key heads [1] held at q8 by the calibration" in after
+    assert "value heads [2] kept fp16 by the calibration" in after
+    before = s.explain(NS, "before", 0, P + 1)["reasons"]  # sealed before the calibration arrived
+    assert before[-1] == f"calibration {calibration().digest[:16]} active"
+    assert not any("by the calibration" in r for r in before)
+    assert not any("by the calibration" in r for r in s.explain(NS, "after", 1, P + 1)["reasons"])
+
+
+def test_calibration_states_are_listed_in_stats_by_namespace() -> None:
+    s = store()
+    s.register("plain", num_layers=L, num_kv_heads=H, head_dim=D)
+    s.register("wrong", num_layers=L, num_kv_heads=H, head_dim=D)
+    s.calibrate(NS, calibration())
+    s.calibrate("wrong", calibration(layout=(L, H, D + 1)))
+    stats = s.stats()
+    assert stats["calibration_states"] == {NS: "active", "plain": "none", "wrong": "quarantined"}
+    assert stats["calibration_budgets"][NS] == "8bit 4.00% <= 5.00%, q4 4.00% <= 5.00%"
+    assert "plain" not in stats["calibration_budgets"]
+    assert "the namespace is (3, 4, 32)" in stats["calibration_reasons"]["wrong"]
+    assert NS not in stats["calibration_reasons"] and stats["calibration_unlisted"] == 0
+
+
 def test_compaction_re_encodes_to_the_calibrated_q4_pages() -> None:
     s = store()
     s.calibrate(NS, calibration())

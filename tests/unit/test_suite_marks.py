@@ -40,6 +40,8 @@ DRIVERS_ONLY = {
     # (tests/unit, test_wire*.py, test_shard_lifecycle.py, test_pressure.py); here it only carries the traffic.
     "test_cluster.py": "clients and raw shard requests driving a Ray deployment: spread, levels, kills",
     "test_lifecycle.py": "clients driving a Ray deployment through shard and coordinator restarts",
+    "test_cluster_calibration.py": "a client giving a Ray deployment a calibration through shard and coordinator "
+                                   "restarts, and `kvd calibrate` / `kvd status` subprocesses",
     "test_priority.py": "a Ray deployment whose actors' thread priorities are read from /proc",
 }
 

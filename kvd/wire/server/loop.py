@@ -683,8 +683,10 @@ class RouterServer:
         return False
 
     def _hello(self, req: p.HelloRequest, *, role: str, name: str, page_tokens: int | None) -> p.HelloReply:
+        # the newest page format this server writes: a calibrated namespace's pages with held heads are
+        # version 2 (docs/formats.md), so a reader of version 1 only is told before it asks for pages
         return p.HelloReply.for_limits(self._limits, request_id=req.request_id, kvd_version=__version__,
-                                       page_format_version=pages.FORMAT_VERSION, role=role, shard_id=name,
+                                       page_format_version=pages.HELD_VERSION, role=role, shard_id=name,
                                        page_tokens=page_tokens)
 
 

@@ -17,7 +17,16 @@ from typing import Any
 import numpy as np
 
 from kvd.codec import pages
-from kvd.errors import Busy, ConfigError, Conflict, MessageTooLarge, ProtocolError, UnknownSequence, WrongShard
+from kvd.errors import (
+    Busy,
+    ConfigError,
+    Conflict,
+    MessageTooLarge,
+    ProtocolError,
+    UnknownNamespace,
+    UnknownSequence,
+    WrongShard,
+)
 from kvd.store.core import PACK_FRAME_BYTES, OnDisk, ReadTooLarge, Store
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
@@ -86,7 +95,9 @@ class ShardServer(RouterServer):
 
     In a cluster (kvd.cluster.shard): ``incarnation`` (this process's id, told to a ``hello`` that asks and
     checked against an ``append`` that names one), ``on_register`` (called with ``(namespace, (layers,
-    kv_heads, head_dim))`` before a ``register`` is applied: makes it cluster-wide; raises to refuse it), and
+    kv_heads, head_dim))`` before a ``register`` is applied: makes it cluster-wide; raises to refuse it),
+    ``on_calibrate`` (called with ``(namespace, calibration)``, a checked :class:`~kvd.calibration.Calibration`,
+    before a ``calibrate`` is applied: makes it cluster-wide), and
     :meth:`set_routing` (the topology whose ownership the shard enforces: WrongShard for another's sequence),
     ``starting`` (data operations are answered Busy until :meth:`open_for_data`: a restarted shard first learns
     the cluster's namespaces, so its lost sequences are UnknownSequence, never UnknownNamespace).
@@ -103,6 +114,7 @@ class ShardServer(RouterServer):
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  linger_s: float = DEFAULT_LINGER_S, recycle_memory: bool = True, incarnation: str | None = None,
                  on_register: Callable[[str, tuple[int, int, int]], None] | None = None,
+                 on_calibrate: Callable[[str, Any], None] | None = None,
                  starting: bool = False, socket_buffer_bytes: int | None = None,
                  max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS, max_reply_bytes: int | None = None) -> None:
         if socket_buffer_bytes is None:
@@ -127,6 +139,7 @@ class ShardServer(RouterServer):
         self._incarnation = None if incarnation is None else p.check_short_text("incarnation", incarnation,
                                                                                  ConfigError)
         self._on_register_hook = on_register
+        self._on_calibrate_hook = on_calibrate
         self._starting = bool(starting)  # data operations get Busy until open_for_data() (cluster start-up)
         # (topology epoch, router, this shard's index in it, owner cache): None until a cluster hands one
         self._routing: tuple[int, Router, int, dict[tuple[str, type, Any], int]] | None = None
@@ -135,7 +148,8 @@ class ShardServer(RouterServer):
             p.RegisterRequest: self._on_register, p.AppendRequest: self._on_append, p.GetRequest: self._on_get,
             p.DropRequest: self._on_drop, p.LengthRequest: self._on_length,
             p.LengthsRequest: self._on_lengths, p.StatsRequest: self._on_stats,
-            p.ExplainRequest: self._on_explain, p.AttendRequest: self._on_attend}
+            p.ExplainRequest: self._on_explain, p.AttendRequest: self._on_attend,
+            p.CalibrateRequest: self._on_calibrate}
 
     @property
     def shard_id(self) -> str:
@@ -194,7 +208,8 @@ class ShardServer(RouterServer):
         kind = type(req)
         if kind is p.AppendRequest:
             return size >= BULK_MIN_BYTES
-        return kind is p.RegisterRequest  # may wait for the coordinator (on_register); large gets: _on_get
+        # register and calibrate may wait for the coordinator (the hooks) and write a file; large gets: _on_get
+        return kind is p.RegisterRequest or kind is p.CalibrateRequest
 
     def start(self, timeout_s: float = 10.0) -> str:
         if self._recycle_memory:
@@ -254,6 +269,20 @@ class ShardServer(RouterServer):
         self._store.register(req.namespace, num_layers=req.num_layers, num_kv_heads=req.num_kv_heads,
                              head_dim=req.head_dim)
         return p.RegisterReply.trusted(request_id=req.request_id)
+
+    def _on_calibrate(self, req: p.CalibrateRequest) -> p.CalibrateReply:
+        from kvd.calibration import from_dict
+
+        cal = from_dict(req.calibration)  # InvalidArgument naming what is wrong; nothing is changed
+        if req.namespace not in self._store.layouts():
+            raise UnknownNamespace(f"namespace {req.namespace!r} is not registered on shard {self._shard_id!r}: "
+                                   "register it (its layout) before giving it a calibration")
+        if self._on_calibrate_hook is not None:  # cluster-wide first: the coordinator keeps it with the namespace
+            self._on_calibrate_hook(req.namespace, cal)
+        state = self._store.calibrate(req.namespace, cal)
+        return p.CalibrateReply(request_id=req.request_id, state=state["state"], reason=state["reason"],
+                                digest=state.get("digest", ""), model=state.get("model", ""),
+                                levels=state.get("levels"))
 
     def _on_append(self, req: p.AppendRequest) -> p.AppendReply:
         if req.incarnation is not None and req.incarnation != self._incarnation:
