@@ -528,16 +528,20 @@ def check_page_entry(i: int, entry: Any) -> PageEntry:
     )
 
 
-# What a packed pages reply's reader needs of a page header (docs/formats.md): magic, raw-head count and payload
-# length, from which the page's total length follows. Framing only: the pages themselves are checked on decode.
-_PAGE_SPAN = struct.Struct("<4s6xH8xI")
+# What a packed pages reply's reader needs of a page header (docs/formats.md): magic, version, raw-head count and
+# payload length, and in a version 2 page the held-head count after the raw-head list, from which the page's total
+# length follows. Framing only: the pages themselves are checked on decode.
+_PAGE_SPAN = struct.Struct("<4sB5xH8xI")
 _PAGE_MAGIC = b"KVDP"
+_HELD_VERSION = 2
+_HELD_BLOCK = 8  # n_held, level, axis, group, zero
 
 
 def split_packed(frames: Sequence[Frame], n_pages: int) -> list[memoryview]:
     """The pages in ``frames`` of a packed pages reply: each frame holds one or more whole pages back to back,
-    and a page's length is ``32 + align8(2 * n_raw) + payload_bytes`` from its own header. Views, not copies.
-    Raises :class:`ProtocolError` unless the frames split into exactly ``n_pages`` pages."""
+    and a page's length is ``32 + align8(2 * n_raw) + payload_bytes`` from its own header, plus ``8 +
+    align8(2 * n_held)`` in a version 2 page (held heads). Views, not copies. Raises :class:`ProtocolError`
+    unless the frames split into exactly ``n_pages`` pages."""
     out: list[memoryview] = []
     unpack = _PAGE_SPAN.unpack_from
     for i, frame in enumerate(frames):
@@ -549,8 +553,14 @@ def split_packed(frames: Sequence[Frame], n_pages: int) -> list[memoryview]:
         while off < n:
             if n - off < _PAGE_SPAN.size:
                 raise ProtocolError(f"packed frame {i} ends inside a page header at byte {off}")
-            magic, n_raw, payload = unpack(view, off)
-            size = 32 + (2 * n_raw + 7) // 8 * 8 + payload
+            magic, version, n_raw, payload = unpack(view, off)
+            size = 32 + (2 * n_raw + 7) // 8 * 8
+            if version == _HELD_VERSION and magic == _PAGE_MAGIC:
+                if n - off < size + 2:
+                    raise ProtocolError(f"packed frame {i} ends inside a page header at byte {off}")
+                n_held = view[off + size] | view[off + size + 1] << 8
+                size += _HELD_BLOCK + (2 * n_held + 7) // 8 * 8
+            size += payload
             if magic != _PAGE_MAGIC or size > n - off:
                 raise ProtocolError(f"packed frame {i} has no whole kvd page at byte {off} "
                                     f"(magic {bytes(magic)!r}, {size} bytes claimed, {n - off} left)")

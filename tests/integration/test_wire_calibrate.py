@@ -87,6 +87,27 @@ def test_the_op_round_trips_and_pages_sealed_after_it_follow_the_calibration(ser
 
 
 @pytest.mark.timeout(60)
+def test_pages_with_held_heads_come_back_through_every_get(server: ServerProcess) -> None:
+    """A calibrated namespace's pages (format 2: held heads, raw heads) read back through the client's gets: fp16
+    from the server, and pages packed several to a frame, which the client splits by their own headers and
+    decodes. Both give the same tokens, and within q4's error of what was appended."""
+    k, v = kv(tokens=4 * PAGE, seed=3)
+    with Client(server.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        c.calibrate(NS, calibration())
+        c.append(NS, "held", k, v)
+        k16, v16 = c.get(NS, "held")
+        kp, vp = c.get(NS, "held", format="pages")
+        many = c.get_many([(NS, "held")], format="pages")
+    np.testing.assert_array_equal(kp, k16)
+    np.testing.assert_array_equal(vp, v16)
+    np.testing.assert_array_equal(many[0][0], k16)
+    for got, want in ((k16, k), (v16, v)):
+        err = np.linalg.norm(got.astype(np.float32) - want) / np.linalg.norm(want)
+        assert err < 0.2, err
+
+
+@pytest.mark.timeout(60)
 def test_a_calibration_of_another_layout_is_quarantined_and_reported(server: ServerProcess) -> None:
     wrong = calibration(layout=(L + 1, H, D))
     k, v = kv(tokens=3 * PAGE, seed=2)
