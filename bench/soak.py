@@ -382,9 +382,23 @@ def main() -> None:
               f"{s['mmapped'] / MIB:.1f} | {s['queued'] / MIB:.1f} | {s['replies_held'] / MIB:.1f} | "
               f"{s['sequences']} | {s['heap_entries']} | {s['evictions']} |")
     growth = (end["rss"] - warm["rss"]) / warm["rss"] * 100
-    print(f"\nRSS growth after warm-up: {growth:+.2f}% ({(end['rss'] - warm['rss']) / MIB:+.1f} MiB; linear fit "
-          f"{slope:+.2f} MiB/min); level {end['level']}; requests {end['requests']}, error replies "
-          f"{end['errors']}, busy {end['busy']}; clients: {counts}")
+    # RSS saw-tooths between heap trims (every 30 s, kvd.wire.sockets.TRIM_EVERY_S), so beside the two samples:
+    # the means of the first and the last minute after warm-up, and the peaks of the first and the last two minutes
+    def window(lo: float, hi: float) -> list[float]:
+        return [s["rss"] / MIB for s in after if lo <= s["t"] < hi] or [end["rss"] / MIB]
+
+    t_end = end["t"] + 1
+    mean_first = float(np.mean(window(args.warmup, args.warmup + 60)))
+    mean_last = float(np.mean(window(t_end - 60, t_end)))
+    peak_first, peak_last = max(window(args.warmup, args.warmup + 120)), max(window(t_end - 120, t_end))
+    grown = (end["rss"] - warm["rss"]) / MIB
+    print(f"\nRSS growth after warm-up: {growth:+.2f}% between the two samples ({grown:+.1f} MiB); "
+          f"{(mean_last / mean_first - 1) * 100:+.2f}% between the means of the first and the last minute "
+          f"({mean_first:.1f} -> {mean_last:.1f} MiB); {(peak_last / peak_first - 1) * 100:+.2f}% between the "
+          f"peaks of the first and the last two minutes ({peak_first:.1f} -> {peak_last:.1f} MiB); linear fit "
+          f"{slope:+.2f} MiB/min; level {end['level']}; requests {end['requests']}, error replies {end['errors']} "
+          f"(UnknownSequence: evicted), busy {end['busy']}; "
+          f"clients: {counts}")
     took = shard.trim()
     if took is not None:
         after_trim = rss(pid)
