@@ -158,13 +158,14 @@ class ClusterShard:
 
     RAY_NS = "bench-soak"
 
-    def __init__(self, memory: int) -> None:
+    def __init__(self, memory: int, arena_max: int | None) -> None:
         import ray
 
         from kvd.cluster.deploy import deploy
         from kvd.config import load_config
 
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        env = {"env_vars": {"MALLOC_ARENA_MAX": str(arena_max)}} if arena_max else None
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env=env)
         config = load_config(env={}, overrides={
             "cluster.namespace": self.RAY_NS, "cluster.port": 0, "cluster.shards": 1,
             "cluster.memory_bytes": memory, "cluster.shard_cpus": 0, "store.eviction": "lru"})
@@ -310,10 +311,12 @@ def main() -> None:
     ap.add_argument("--every", type=float, default=5.0, help="seconds between samples (default 5)")
     ap.add_argument("--tracemalloc", action="store_true", help="trace the shard's Python allocations")
     ap.add_argument("--cluster", action="store_true", help="soak the shard of a one-shard kvd on a local Ray")
+    ap.add_argument("--arena-max", type=int, default=None,
+                    help="with --cluster: MALLOC_ARENA_MAX for the Ray job's workers (the shard's process)")
     args = ap.parse_args()
     mpc = mp.get_context("spawn")
     memory = args.memory * MIB
-    shard = ClusterShard(memory) if args.cluster else LocalShard(mpc, memory, args.tracemalloc)
+    shard = ClusterShard(memory, args.arena_max) if args.cluster else LocalShard(mpc, memory, args.tracemalloc)
     endpoint, pid = shard.endpoint, shard.pid
     from kvd.client import Client
 
