@@ -4,6 +4,7 @@
     python bench/soak.py --minutes 5 --clients 20 --memory 256
     python bench/soak.py --minutes 3 --tracemalloc        # also the shard's top Python allocation growth
     python bench/soak.py --cluster                        # the shard of a one-shard kvd on a local Ray (kvd up)
+    python bench/soak.py --cluster --arena-max 1          # ... with MALLOC_ARENA_MAX=1 in the shard's environment
 
 The shard is a ShardServer with default settings (LRU eviction, prefix-aware order; ownership enforced, as in a
 cluster) in a process of its own on tcp://127.0.0.1, or with ``--cluster`` the Ray actor shard of a one-shard kvd
