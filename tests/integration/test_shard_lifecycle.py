@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
@@ -109,6 +110,34 @@ def test_an_append_naming_another_incarnation_is_refused_and_nothing_is_written(
         finally:
             raw.close()
         assert client.length(NS, "a") == 2
+
+
+@pytest.mark.timeout(120)
+def test_what_a_shard_keeps_to_check_ownership_stays_small_over_many_sequences(shard: Any) -> None:
+    """A shard that enforces routing checks the owner of every sequence it is asked about and remembers some
+    answers: over 60,000 distinct sequences (a long run of prompts, blocks and sessions) what it keeps stays
+    under 2 MiB (a cache of 65,536 owners held about 10 MiB, a soak's steady RSS growth: BENCHMARKS.md, "Soak")."""
+    server, _ = shard
+    server.open_for_data()
+    assert server.set_routing(1, ["shard-0"])  # it owns every sequence: lengths answers all of them
+    raw = Raw(server.endpoint)  # by hand: a kvd Client would add its own cache of owners to this process
+    try:
+        _, reply = raw.ask(p.RegisterRequest(request_id=1, namespace=NS, num_layers=1, num_kv_heads=1, head_dim=4))
+        assert isinstance(reply, p.RegisterReply)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for batch in range(15):
+                ids = tuple(f"seq-{batch}-{i:06d}" for i in range(4000))
+                _, reply = raw.ask(p.LengthsRequest(request_id=2 + batch, namespace=NS, seq_ids=ids))
+                assert reply.lengths == (None,) * 4000
+            del ids, reply
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    finally:
+        raw.close()
+    assert grown < 2 << 20, f"{grown / (1 << 20):.1f} MiB kept after 60,000 sequences"
 
 
 @pytest.mark.timeout(60)

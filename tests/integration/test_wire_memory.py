@@ -125,6 +125,33 @@ def test_oversize_and_slow_peers_at_once_pin_a_bounded_amount_and_it_is_given_ba
 
 
 
+@pytest.mark.timeout(180)
+def test_free_heap_left_by_dropped_sequences_goes_back_to_the_system_while_the_clients_stay() -> None:
+    """The buffers a server frees leave holes in its heap that glibc keeps (the server has it keep up to 256 MiB
+    of free heap for reuse: tune_malloc), and over a long run they add up (bench/soak.py, BENCHMARKS.md "Soak").
+    The server gives their pages back every ``trim_every_s``, without waiting for a peer to leave."""
+    server = ServerProcess("trim", server={"trim_every_s": 1.0}, store={"capacity_bytes": 512 * MIB})
+    pid = server.proc.pid
+    try:
+        with Client(server.endpoint, timeout_s=30) as c:
+            c.register(NS, **LAYOUT)
+            k, v = kv(tokens=4096, seed=5)  # 512 KiB of keys and as much of values
+            for i in range(320):  # 160 MiB of pages, sequences of 2,048-4,095 tokens
+                t = 2048 + (i * 37) % 2048
+                c.append(NS, f"s{i}", k[:, :t], v[:, :t])
+            full = _status(pid, "VmRSS")
+            for i in range(0, 320, 2):  # every other sequence: holes all over the heap
+                assert c.drop(NS, f"s{i}")
+            wait_until(lambda: _status(pid, "VmRSS") <= full - 40 * MIB, timeout_s=20,
+                       what="the pages of about 80 MiB of dropped sequences to go back to the system")
+            t = 2048 + 37 % 2048
+            keys, values = c.get(NS, "s1")
+            assert np.array_equal(keys, k[:, :t]) and np.array_equal(values, v[:, :t])
+        assert server.alive()
+    finally:
+        server.stop()
+
+
 @pytest.mark.timeout(60)
 def test_a_server_serves_where_the_guard_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the kernel's TCP counters are missing the guard does not start; the socket's monitor must then be

@@ -35,7 +35,7 @@ counters and cuts a peer that is sending one message over ``max_message_bytes``,
 all peers together hold more than ``max_inbound_bytes`` received-and-not-taken or ``max_reply_bytes`` of
 unread replies (both default to twice ``max_message_bytes``). The loop itself drops a reply that would exceed
 the reply budget unless its peer has read everything before (and the reply is small). Freed memory goes back
-to the system once a heavy peer is cut or gone (:func:`~kvd.wire.sockets.trim_malloc`).
+to the system once a heavy peer is cut or gone, and every ``trim_every_s`` (:func:`~kvd.wire.sockets.trim_malloc`).
 
 *Replies* are sent without blocking. ``ROUTER_MANDATORY`` turns a reply to a vanished peer (EHOSTUNREACH) or to
 a peer whose pipe is full (a slow reader at ``SNDHWM`` replies: EAGAIN) into an error instead of a silent drop:
@@ -71,7 +71,14 @@ from kvd.errors import Busy, ConfigError, KvdError
 from kvd.wire import protocol as p
 from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig
 from kvd.wire.server.lane import BulkLane
-from kvd.wire.sockets import HANDSHAKE_TIMEOUT_S, ConnectionGuard, recv_frames, send_frames, socket_buffer_cap
+from kvd.wire.sockets import (
+    HANDSHAKE_TIMEOUT_S,
+    TRIM_EVERY_S,
+    ConnectionGuard,
+    recv_frames,
+    send_frames,
+    socket_buffer_cap,
+)
 
 __all__ = ["DEFAULT_HWM", "DEFAULT_LINGER_S", "DEFAULT_MAX_PEER_REQUESTS", "DEFAULT_MAX_QUEUED_BYTES",
            "DEFAULT_MAX_QUEUED_REQUESTS", "IDLE_TICK_S", "MIN_SOCKET_BUFFER_BYTES", "RouterServer", "ToBulkLane"]
@@ -169,7 +176,7 @@ class RouterServer:
                  heartbeat_ivl_s: float, heartbeat_timeout_s: float, linger_s: float,
                  max_inbound_bytes: int | None = None, max_reply_bytes: int | None = None,
                  guard_interval_s: float = GUARD_INTERVAL_S, socket_buffer_bytes: int = 0,
-                 max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS) -> None:
+                 max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS, trim_every_s: float = TRIM_EVERY_S) -> None:
         if curve is not None and not isinstance(curve, CurveConfig):
             raise ConfigError(f"curve must be a CurveConfig, got {type(curve).__name__}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -198,6 +205,9 @@ class RouterServer:
         if isinstance(guard_interval_s, bool) or not isinstance(guard_interval_s, (int, float)) \
                 or not 0 < guard_interval_s <= 1:
             raise ConfigError(f"guard_interval_s must be in (0, 1], got {guard_interval_s!r}")
+        if isinstance(trim_every_s, bool) or not isinstance(trim_every_s, (int, float)) or not trim_every_s > 0:
+            raise ConfigError(f"trim_every_s must be a positive number of seconds, got {trim_every_s!r}")
+        self._trim_every = float(trim_every_s)
         self._max_inbound, self._max_reply, self._guard_interval = max_inbound_bytes, max_reply_bytes, \
             float(guard_interval_s)
         self._guard: ConnectionGuard | None = None
@@ -327,7 +337,7 @@ class RouterServer:
             sock.get_monitor_socket(int(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)),
             curve=self._curve is not None, max_message_bytes=self._limits.max_message_bytes,
             max_inbound_bytes=self._max_inbound, max_reply_bytes=self._max_reply, interval_s=self._guard_interval,
-            name=f"kvd-{self._NAME}")
+            name=f"kvd-{self._NAME}", trim_every_s=self._trim_every)
         host = self._host
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)

@@ -40,7 +40,13 @@ from kvd.wire.server.loop import (
     RouterServer,
     ToBulkLane,
 )
-from kvd.wire.sockets import DEFAULT_HEARTBEAT_IVL_S, DEFAULT_HEARTBEAT_TIMEOUT_S, is_loopback, tune_malloc
+from kvd.wire.sockets import (
+    DEFAULT_HEARTBEAT_IVL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    TRIM_EVERY_S,
+    is_loopback,
+    tune_malloc,
+)
 
 __all__ = ["BULK_MIN_BYTES", "COMPACT_STEP_BYTES", "LOOPBACK_SOCKET_BUFFER_BYTES", "MIN_REPLY_BUDGET_BYTES",
            "PACK_REPLY_MAX_BYTES", "REPLY_BUDGET_PER_CAPACITY", "ShardServer", "default_reply_budget"]
@@ -63,7 +69,10 @@ PACK_REPLY_MAX_BYTES = 1 << 20
 # replies under a budget of 1 GiB.
 REPLY_BUDGET_PER_CAPACITY = 4
 MIN_REPLY_BUDGET_BYTES = 64 << 20
-_OWNER_CACHE = 65536  # sequences whose owner a shard remembers (per routing)
+# Sequences whose owner a shard remembers (per routing; forgotten all at once when full): the requests of a
+# sequence in use (decode steps, reads) skip the rendezvous hash, and the cache holds about 1.3 MiB when full
+# (65,536 owners held about 10 MiB, filled by every new sequence id: a soak's steady RSS growth).
+_OWNER_CACHE = 4096
 _START_UP_OPS = (p.HelloRequest, p.PingRequest, p.StatsRequest)  # served while a shard is starting
 
 
@@ -91,7 +100,8 @@ class ShardServer(RouterServer):
     I/O threads move a prefill's MiBs in shorter turns, so a decode step waits less behind them, but cap one
     connection's throughput at about a buffer per network round trip: docs/design.md), ``max_reply_bytes``
     (replies held for peers that do not read, all together; None, the default: :func:`default_reply_budget` of
-    the store's capacity).
+    the store's capacity), ``trim_every_s`` (how often the free heap glibc keeps is given back to the system:
+    :data:`~kvd.wire.sockets.TRIM_EVERY_S`).
 
     In a cluster (kvd.cluster.shard): ``incarnation`` (this process's id, told to a ``hello`` that asks and
     checked against an ``append`` that names one), ``on_register`` (called with ``(namespace, (layers,
@@ -116,7 +126,8 @@ class ShardServer(RouterServer):
                  on_register: Callable[[str, tuple[int, int, int]], None] | None = None,
                  on_calibrate: Callable[[str, Any], None] | None = None,
                  starting: bool = False, socket_buffer_bytes: int | None = None,
-                 max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS, max_reply_bytes: int | None = None) -> None:
+                 max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS, max_reply_bytes: int | None = None,
+                 trim_every_s: float = TRIM_EVERY_S) -> None:
         if socket_buffer_bytes is None:
             socket_buffer_bytes = LOOPBACK_SOCKET_BUFFER_BYTES if is_loopback(host) else 0
         if max_reply_bytes is None:
@@ -125,7 +136,7 @@ class ShardServer(RouterServer):
                          max_queued_bytes=max_queued_bytes, hwm=hwm, heartbeat_ivl_s=heartbeat_ivl_s,
                          heartbeat_timeout_s=heartbeat_timeout_s, linger_s=linger_s,
                          socket_buffer_bytes=socket_buffer_bytes, max_peer_requests=max_peer_requests,
-                         max_reply_bytes=max_reply_bytes)
+                         max_reply_bytes=max_reply_bytes, trim_every_s=trim_every_s)
         self._store = store
         self._pack_frame_bytes = min(PACK_FRAME_BYTES, self._limits.max_frame_bytes)  # packed pages replies
         self._pack_reply_bytes = min(PACK_REPLY_MAX_BYTES, self._limits.max_frame_bytes)  # packed fp16 replies
