@@ -4,7 +4,7 @@
     python bench/soak.py --minutes 5 --clients 20 --memory 256
     python bench/soak.py --minutes 3 --tracemalloc        # also the shard's top Python allocation growth
     python bench/soak.py --cluster                        # the shard of a one-shard kvd on a local Ray (kvd up)
-    python bench/soak.py --cluster --arena-max 1          # ... with MALLOC_ARENA_MAX=1 in the shard's environment
+    python bench/soak.py --cluster --arena-max 0          # ... with glibc's default arenas instead of kvd's one
 
 The shard is a ShardServer with default settings (LRU eviction, prefix-aware order; ownership enforced, as in a
 cluster) in a process of its own on tcp://127.0.0.1, or with ``--cluster`` the Ray actor shard of a one-shard kvd
@@ -29,6 +29,7 @@ import argparse
 import ctypes
 import ctypes.util
 import multiprocessing as mp
+import os
 import sys
 import threading
 import time
@@ -165,8 +166,9 @@ class ClusterShard:
         from kvd.cluster.deploy import deploy
         from kvd.config import load_config
 
-        env = {"env_vars": {"MALLOC_ARENA_MAX": str(arena_max)}} if arena_max else None
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env=env)
+        if arena_max is not None:  # what deploy hands the shard's process (kvd's default: 1)
+            os.environ["MALLOC_ARENA_MAX"] = str(arena_max)
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
         config = load_config(env={}, overrides={
             "cluster.namespace": self.RAY_NS, "cluster.port": 0, "cluster.shards": 1,
             "cluster.memory_bytes": memory, "cluster.shard_cpus": 0, "store.eviction": "lru"})
@@ -313,7 +315,8 @@ def main() -> None:
     ap.add_argument("--tracemalloc", action="store_true", help="trace the shard's Python allocations")
     ap.add_argument("--cluster", action="store_true", help="soak the shard of a one-shard kvd on a local Ray")
     ap.add_argument("--arena-max", type=int, default=None,
-                    help="with --cluster: MALLOC_ARENA_MAX for the Ray job's workers (the shard's process)")
+                    help="with --cluster: MALLOC_ARENA_MAX of the shard's process (deploy's default 1; 0: "
+                         "glibc's default, an arena per thread up to 8 per core)")
     args = ap.parse_args()
     mpc = mp.get_context("spawn")
     memory = args.memory * MIB

@@ -8,6 +8,7 @@ return as soon as the GCS answers, and would wait as long as a GCS that does not
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -145,6 +146,11 @@ def deploy(config: Config, *, host: str = "127.0.0.1", ready_timeout_s: float = 
             # Ray's memory resource keeps the scheduler from packing more shards on a node than fit.
             memory=shard_memory_request(config),
             scheduling_strategy=placement.get(sid, "SPREAD"),
+            # One malloc arena from the process's start (or the deploying process's MALLOC_ARENA_MAX; 0 is
+            # glibc's default): Ray's own threads create theirs before the shard's mallopt runs (kvd.wire.sockets),
+            # and the store's records then fragment in those arenas; a kvd up shard's RSS crept +2.5% over a
+            # 10-minute soak with them, +0.2% with one (BENCHMARKS.md, "Soak").
+            runtime_env={"env_vars": {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}},
         ).remote(sid, config, host=host, fresh_token=fresh_token)
     try:
         # Constructors first: a shard that cannot start (bad settings, no free port) fails here at once.

@@ -1,6 +1,8 @@
 """Shard and coordinator actors run every thread at normal priority (issue 18, item 11). Ray starts its worker
 processes at nice 15; a shard as started served 64 KiB puts ~10x slower on two busy cores than at nice 0, and
-``renice -p PID`` moves only the main thread. A real local Ray, a real deployment, /proc of the actors."""
+``renice -p PID`` moves only the main thread. A shard's process also starts with one malloc arena (kvd's own
+setting comes after Ray's threads made theirs: BENCHMARKS.md, "Soak"). A real local Ray, a real deployment, /proc
+of the actors."""
 
 from __future__ import annotations
 
@@ -84,3 +86,10 @@ def test_every_thread_of_a_shard_and_the_coordinator_runs_at_nice_0(deployed: De
             assert bulk and set(bulk.values()) == {BULK_NICE}, nices
         else:
             assert not bulk, nices
+
+
+def test_a_shards_process_starts_with_one_malloc_arena(deployed: Deployment) -> None:
+    (shard,) = deployed.shards.values()
+    pid = ray.get(shard.info.remote(), timeout=30)["pid"]
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert b"MALLOC_ARENA_MAX=1" in env
