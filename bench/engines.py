@@ -32,7 +32,9 @@ to fp16 (what kvd's fp16 level stores). Reported: KL(reference || level) of the 
 number of the ``--gen`` greedy tokens produced before the first one that differs from the reference, and the bits
 per stored value as the store counts them (``used_bytes``). The row "q4 calibrated" first gives the namespace the
 calibration made from ``--sample`` (the shared SmolLM2 sample by default) at the default budgets
-(:mod:`kvd.calibration`), so its pages keep the heads that calibration holds at 8 bits; ``--configs`` picks rows.
+(:mod:`kvd.calibration`), so its pages keep the heads that calibration holds at 8 bits; with the shared sample,
+which is the start of GPL-3, every row is then measured on texts without GPL-3 (another chapter of Python's
+reference instead). ``--configs`` picks rows.
 
 decode: a ``--context``-token context (real texts) prefilled once and stored in kvd at a level as one sequence,
 then a greedy decode of ``--gen`` tokens over it through transformers, two ways: "load" (``KvdCache.resume``: the
@@ -382,7 +384,15 @@ def quality(args: argparse.Namespace) -> None:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(folder)
     need = args.prefix + args.cont
-    docs = {k: ids for k, v in texts().items() if len(ids := tok(v).input_ids) >= need}
+    found = texts()
+    configs = [c for c in CONFIGS if not args.configs or c[0] in args.configs.split(",")]
+    if any("calibrated" in c[0] for c in configs) and not args.sample:
+        # the shared sample is the start of GPL-3: a calibrated row is measured on other text only, every row alike
+        import pydoc_data.topics as topics
+
+        found.pop("GPL-3", None)
+        found["python:specialnames"] = topics.topics["specialnames"]
+    docs = {k: ids for k, v in found.items() if len(ids := tok(v).input_ids) >= need}
     print(f"texts: {', '.join(docs)} ({args.prefix} prefix + {args.cont} scored tokens each)")
 
     def scored(cache: Any, cont: torch.Tensor) -> torch.Tensor:
@@ -418,7 +428,6 @@ def quality(args: argparse.Namespace) -> None:
         refs[name] = (pre, cont, full, ref_lp, gen(fp16_copy(full), gen_ids))
 
     record = None
-    configs = [c for c in CONFIGS if not args.configs or c[0] in args.configs.split(",")]
     if any("calibrated" in c[0] for c in configs):
         from kvd import calibration as cal
 
