@@ -174,8 +174,8 @@ class Reaper:
 
 
 def watch(parent: int, fd: int) -> tuple[bool, dict[int, int]]:
-    """Wait for the pipe ``fd`` to end, noting the descendants of ``parent`` meanwhile; returns whether ``parent``
-    said it finished (:data:`DONE`) and every descendant seen (pid -> start time)."""
+    """Wait for the pipe ``fd`` to end, looking at the descendants of ``parent`` meanwhile; returns whether
+    ``parent`` said it finished (:data:`DONE`) and its descendants at the last look (pid -> start time)."""
     import select
 
     known: dict[int, int] = {}
@@ -193,7 +193,9 @@ def watch(parent: int, fd: int) -> tuple[bool, dict[int, int]]:
                 continue
         except OSError:
             return False, known
-        known.update(descendants(parent))
+        # the tree as it is: while `kvd up` runs it adopts its descendants' orphans (a subreaper), so a process
+        # that left the tree has ended, and what is noted stays as large as the tree
+        known = descendants(parent)
 
 
 def main(argv: list[str]) -> int:
