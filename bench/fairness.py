@@ -132,6 +132,10 @@ def fairness_only(seconds: float, rounds: int) -> int:
                     stop.set()
                     counts = rx.recv() if rx.poll(30) else (-1, -1)
                     flooder.join(10)
+                    if flooder.is_alive():  # the next quiet round must be quiet
+                        print(f"{kind}: the flooder did not end in 10 s: killed")
+                        flooder.kill()
+                        flooder.join(10)
                     rows.append((kind, "loaded", lat, counts))
     finally:
         parent.send("stop")
