@@ -69,7 +69,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvd.errors import InvalidArgument, LayoutMismatch, UnknownNamespace
+from kvd.cluster.registry import NamespaceRegistry
+from kvd.errors import InvalidArgument
 from kvd.policy import Level, Policy
 
 __all__ = ["Membership", "ShardReport", "ShardState", "LevelOrder", "Registration", "ReportOutcome", "LevelChange"]
@@ -261,21 +262,10 @@ class Membership:
                                            incarnation=str(item.get("incarnation", "")),
                                            node=str(item.get("node", "")), registered_at=now)
         self._ready = bool(self._shards) and self._topology_epoch > 0
-        self._namespaces: dict[str, tuple[int, int, int]] = {}
-        for name, layout in (recovered_namespaces or {}).items():
-            self._namespaces[str(name)] = _layout(name, layout)
-        self._namespaces_version = max(int(recovered_namespaces_version), len(self._namespaces))
-        # every name in the order added (recovered ones first): the names after the first _recovered were added
-        # by this process, one version each from _base, so what a shard lacks is a slice of this list
-        self._order: list[str] = list(self._namespaces)
-        self._recovered, self._base = len(self._order), self._namespaces_version
-        self._max_namespaces = max_namespaces
-        # calibration records by namespace (Calibration.to_dict()) and the version each was set at; recovered
-        # ones at the recovered version, so a shard at that version or later is not sent them again
-        self._calibrations: dict[str, dict[str, Any]] = dict(recovered_calibrations or {})
-        self._calibrations_version = max(int(recovered_calibrations_version), len(self._calibrations))
-        self._cal_base = self._calibrations_version
-        self._cal_set: dict[str, int] = dict.fromkeys(self._calibrations, self._cal_base)
+        self._registry = NamespaceRegistry(
+            namespaces=recovered_namespaces, namespaces_version=recovered_namespaces_version,
+            calibrations=recovered_calibrations, calibrations_version=recovered_calibrations_version,
+            max_namespaces=max_namespaces)
         if recovered_epoch > 0 and recovered_level is not None:
             self._level = Level.parse(recovered_level)
             self._epoch = int(recovered_epoch)
@@ -319,8 +309,8 @@ class Membership:
                 "topology_epoch": self._topology_epoch,
                 "shards": [{"id": s.shard_id, "endpoint": s.endpoint, "incarnation": s.incarnation, "node": s.node}
                            for _, s in sorted(self._shards.items())],
-                "namespaces_version": self._namespaces_version,
-                "calibrations_version": self._calibrations_version,
+                "namespaces_version": self._registry.version,
+                "calibrations_version": self._registry.calibrations_version,
             }
 
     # ------------------------------------------------------------------------------------------- events
@@ -351,12 +341,7 @@ class Membership:
             raise InvalidArgument(f"endpoint must be a non-empty str, got {endpoint!r}")
         with self._lock:
             self._raise_topology_floor(topology_epoch)
-            for name, layout in (namespaces or {}).items():
-                if name not in self._namespaces:
-                    self._add(str(name), _layout(name, layout))
-            for name, record in (calibrations or {}).items():
-                if name in self._namespaces and name not in self._calibrations:
-                    self._set_calibration(str(name), record)
+            self._registry.adopt(namespaces or {}, calibrations or {})
             old = self._shards.get(shard_id)
             if old is None:
                 self._shards[shard_id] = ShardState(
@@ -437,89 +422,49 @@ class Membership:
             return True
 
     def add_namespace(self, namespace: str, layout: Any) -> bool:
-        """Register ``namespace`` with ``layout`` (layers, kv_heads, head_dim) for the whole cluster. True if
-        it is new; False if known with this layout; :class:`LayoutMismatch` if known with another."""
-        if not namespace or not isinstance(namespace, str):
-            raise InvalidArgument(f"namespace must be a non-empty str, got {namespace!r}")
-        new = _layout(namespace, layout)
+        """Register ``namespace`` with ``layout`` (layers, kv_heads, head_dim) for the whole cluster
+        (:meth:`NamespaceRegistry.add`): True if it is new, False if known with this layout."""
         with self._lock:
-            old = self._namespaces.get(namespace)
-            if old == new:
-                return False
-            if old is not None:
-                raise LayoutMismatch(
-                    f"namespace {namespace!r} is registered in this cluster as (layers={old[0]}, "
-                    f"kv_heads={old[1]}, head_dim={old[2]}), not (layers={new[0]}, kv_heads={new[1]}, "
-                    f"head_dim={new[2]})"
-                )
-            limit = self._max_namespaces
-            if limit is not None and len(self._namespaces) >= limit:
-                raise InvalidArgument(
-                    f"namespace {namespace!r} was not registered: this cluster holds {len(self._namespaces)} "
-                    f"namespaces, its limit (cluster.max_namespaces = {limit}). A namespace is one model's KV "
-                    "layout and is never removed; reuse one, or raise cluster.max_namespaces"
-                )
-            self._add(namespace, new)
-            return True
+            return self._registry.add(namespace, layout)
 
     def set_calibration(self, namespace: str, record: dict[str, Any]) -> bool:
-        """Keep ``record`` (a checked :meth:`kvd.calibration.Calibration.to_dict`) as ``namespace``'s
-        calibration. True if it changed; False if the namespace has a calibration of the same digest.
-        :class:`UnknownNamespace` for a namespace the cluster does not know."""
-        if not isinstance(record, dict) or not isinstance(record.get("digest"), str):
-            raise InvalidArgument(f"a calibration record must be a map with a digest, got {type(record).__name__}")
+        """Keep ``record`` as ``namespace``'s calibration (:meth:`NamespaceRegistry.set_calibration`): True if
+        it changed."""
         with self._lock:
-            if namespace not in self._namespaces:
-                raise UnknownNamespace(f"namespace {namespace!r} is not registered in this cluster: register it "
-                                       "before giving it a calibration")
-            old = self._calibrations.get(namespace)
-            if old is not None and old.get("digest") == record["digest"]:
-                return False
-            self._set_calibration(namespace, record)
-            return True
-
-    def _set_calibration(self, name: str, record: dict[str, Any]) -> None:
-        self._calibrations_version += 1
-        self._calibrations[name] = record
-        self._cal_set[name] = self._calibrations_version
+            return self._registry.set_calibration(namespace, record)
 
     @property
     def calibrations_version(self) -> int:
         with self._lock:
-            return self._calibrations_version
+            return self._registry.calibrations_version
 
     def calibrations(self) -> dict[str, dict[str, Any]]:
         """``{namespace: calibration record}`` of every calibrated namespace."""
         with self._lock:
-            return dict(self._calibrations)
-
-    def _add(self, name: str, layout: tuple[int, int, int]) -> None:
-        self._namespaces[name] = layout
-        self._order.append(name)
-        self._namespaces_version += 1
+            return self._registry.calibrations()
 
     # ------------------------------------------------------------------------------------------ queries
 
     @property
     def namespace_count(self) -> int:
         with self._lock:
-            return len(self._order)
+            return len(self._registry)
 
     @property
     def namespaces_version(self) -> int:
         with self._lock:
-            return self._namespaces_version
+            return self._registry.version
 
     def namespace_part(self, index: int, size: int) -> dict[str, list[int]]:
         """Namespaces ``index * size`` to ``(index + 1) * size - 1`` in the order added: ``{name: [L, H, D]}``
         (a part of the persisted state; parts before the last never change)."""
         with self._lock:
-            return {k: list(self._namespaces[k]) for k in self._order[index * size:(index + 1) * size]}
+            return self._registry.part(index, size)
 
     def namespaces(self) -> tuple[int, dict[str, tuple[int, int, int]]]:
         """``(version, {namespace: (layers, kv_heads, head_dim)})``; the version grows with every addition."""
         with self._lock:
-            return self._namespaces_version, dict(self._namespaces)
+            return self._registry.version, self._registry.layouts()
 
     def published_topology(self, now: float) -> dict[str, Any] | None:
         """The topology to serve clients (as :meth:`topology`), or None while it is incomplete: a fresh
@@ -540,24 +485,11 @@ class Membership:
         namespace, without ``namespaces_from``, when it cannot tell which the shard lacks. ``calibrations``
         (``{name: record}``) likewise for a shard at ``calibrations_version``, with ``calibrations_from``."""
         with self._lock:
-            out: dict[str, Any] = {"namespaces_version": self._namespaces_version,
-                                   "calibrations_version": self._calibrations_version}
+            out: dict[str, Any] = {"namespaces_version": self._registry.version,
+                                   "calibrations_version": self._registry.calibrations_version}
             if self._is_ready(self._started_at if now is None else now) and topology_epoch != self._topology_epoch:
                 out["routing"] = {"epoch": self._topology_epoch, "shards": sorted(self._shards)}
-            if namespaces_version != self._namespaces_version:
-                if self._base <= namespaces_version < self._namespaces_version:
-                    names = self._order[self._recovered + namespaces_version - self._base:]
-                    out["namespaces_from"] = namespaces_version
-                else:
-                    names = self._order
-                out["namespaces"] = {k: list(self._namespaces[k]) for k in names}
-            have = calibrations_version
-            if have != self._calibrations_version:
-                if self._cal_base <= have < self._calibrations_version:
-                    out["calibrations"] = {k: r for k, r in self._calibrations.items() if self._cal_set[k] > have}
-                    out["calibrations_from"] = have
-                else:
-                    out["calibrations"] = dict(self._calibrations)
+            out.update(self._registry.sync(namespaces_version, calibrations_version))
             return out
 
     def expected_missing(self) -> list[str]:
@@ -800,17 +732,6 @@ class Membership:
             if change.epoch == epoch:
                 return change.level
         return state.level
-
-
-def _layout(namespace: Any, layout: Any) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` from a sequence of three positive ints; InvalidArgument otherwise."""
-    try:
-        values = tuple(layout)
-    except TypeError:
-        values = ()
-    if len(values) != 3 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in values):
-        raise InvalidArgument(f"the layout of namespace {namespace!r} must be 3 positive ints, got {layout!r}")
-    return values[0], values[1], values[2]
 
 
 def _change_dict(change: LevelChange) -> dict[str, Any]:

@@ -25,7 +25,7 @@ CORE_MODULES = {
     "kvd", "kvd._native", "kvd.errors", "kvd.evaluate", "kvd.calibration", "kvd.policy", "kvd.pages",
     "kvd.kernels", "kvd.protocol",
     "kvd.wire", "kvd.wire.protocol", "kvd.wire.messages", "kvd.wire.schema", "kvd.wire.routing",
-    "kvd.cluster", "kvd.cluster.membership",
+    "kvd.cluster", "kvd.cluster.membership", "kvd.cluster.registry",
 }
 FORBIDDEN_IN_CORE = {"ray", "zmq"}
 
