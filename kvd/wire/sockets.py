@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -171,6 +172,8 @@ TRIM_HEAVY_BYTES = 16 << 20  # a peer that held this much (in or out) makes its 
 # free next to 310 MiB in use, RSS +3% in 10 minutes after warm-up). Trimming returns their pages; the buffers
 # that reuse a hole then fault it in again, once per interval rather than once per request.
 TRIM_EVERY_S = 30.0
+# connections that ended, kept for the serving loop until it looks (it looks every turn): a bound, not a window
+DEPARTED_MAX = 65536
 
 
 class _Conn:
@@ -214,12 +217,19 @@ class ConnectionGuard:
     * gives freed heap back to the system (:func:`trim_malloc`) once a peer that held much is cut or gone, and
       every ``trim_every_s`` (default ``TRIM_EVERY_S``: the holes that buffers of many sizes leave in the heap).
 
+    It also tells the serving loop which connections ended, as they end: :attr:`departed` receives the socket
+    inode of every connection it held once ZeroMQ announces it disconnected (or closed). ZeroMQ still delivers
+    what such a peer sent before leaving (a ROUTER reads a departed peer's pipe to its end), and a reply to it
+    fails only once that is read; the inode, unlike the descriptor number, names that one connection even after
+    the number is reused.
+
     A cut is ``shutdown(SHUT_RDWR)`` of the connection: ZeroMQ sees it closed, drops its half-received message
     and unsent replies, and a reconnecting DEALER starts afresh. The bound is therefore the budget plus what
     arrives within one interval. Linux only (elsewhere :meth:`start` returns False and nothing is bounded).
 
-    Threads: the serving loop calls :meth:`took` and :meth:`gave` and bumps :attr:`drains`; the guard's thread
-    does the rest; counters are plain ints and dicts (single operations are atomic under the GIL).
+    Threads: the serving loop calls :meth:`took` and :meth:`gave`, bumps :attr:`drains` and takes from
+    :attr:`departed`; the guard's thread does the rest; counters are plain ints and dicts, :attr:`departed` a
+    deque (single operations are atomic under the GIL).
     """
 
     def __init__(self, monitor: zmq.Socket[Any], *, curve: bool, max_message_bytes: int, max_inbound_bytes: int,
@@ -240,6 +250,8 @@ class ConnectionGuard:
         self.held_total = 0  # reply bytes held by ZeroMQ over all connections, last look
         self.sent_total_seen = 0  # sent_total at that look
         self.cuts = 0
+        self.departed: collections.deque[int] = collections.deque(maxlen=DEPARTED_MAX)  # inodes, for the loop
+        self.departures = 0  # connections that ended (those the guard held)
         self._conns: dict[int, _Conn] = {}
         self._inodes: set[int] = set()  # the sockets of _conns
         self._trim_at: float | None = None
@@ -358,6 +370,8 @@ class ConnectionGuard:
         if conn is None:
             return
         self._inodes.discard(conn.ino)
+        self.departed.append(conn.ino)
+        self.departures += 1
         if max(conn.unread, conn.held) >= TRIM_HEAVY_BYTES:
             self._trim_at = time.monotonic() + TRIM_AFTER_S
         self.in_kernel.pop(fd, None)

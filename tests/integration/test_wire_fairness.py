@@ -20,6 +20,7 @@ import zmq
 
 from kvd.errors import Busy
 from kvd.wire import protocol as p
+from kvd.wire.server.loop import RouterServer
 
 from test_wire import LAYOUT, NS, ServerProcess, kv, raw_dealer, request  # isort: skip
 
@@ -155,8 +156,8 @@ def test_a_full_queue_refuses_the_heaviest_connection_not_the_newcomer() -> None
 
 @pytest.mark.timeout(180)
 def test_the_requests_of_a_connection_that_left_are_not_run() -> None:
-    """1 MiB gets pipelined by a peer that then leaves: once a reply meets the closed connection, its other
-    queued requests are dropped unexecuted, and a polite client is served throughout."""
+    """1 MiB gets pipelined by a peer that then leaves: once its departure is known, its other queued requests
+    are dropped unexecuted, and a polite client is served throughout."""
     server = ServerProcess("gone", server={"hwm": 1024})
     ctx = zmq.Context()
     ghost_ctx = zmq.Context()
@@ -184,6 +185,67 @@ def test_the_requests_of_a_connection_that_left_are_not_run() -> None:
         assert metrics["requests_abandoned"] > 0
         assert metrics["requests_abandoned"] + metrics["replies_dropped"] <= n + 1
     finally:
+        ghost_ctx.destroy(linger=0)
+        ctx.destroy(linger=0)
+        server.stop()
+
+
+class _HeldServer(RouterServer):
+    """A server whose requests only say hello, in this process; request id 0 holds its loop until :attr:`go` is
+    set, so the test decides what happens while the loop is busy. :attr:`ran` lists the ids it executed."""
+
+    def __init__(self) -> None:
+        super().__init__(host="127.0.0.1", port=0, limits=None, curve=None, max_queued_requests=1024,
+                         max_queued_bytes=1 << 28, hwm=64, heartbeat_ivl_s=1.0, heartbeat_timeout_s=30.0,
+                         linger_s=0.1)
+        self.go = threading.Event()
+        self.ran: list[int] = []
+
+    def _execute(self, req: Any) -> Any:
+        self.ran.append(req.request_id)
+        if req.request_id == 0:
+            assert self.go.wait(60)
+        return self._hello(req, role="coordinator", name="held", page_tokens=None)
+
+
+@pytest.mark.timeout(120)
+def test_what_a_connection_sent_before_it_left_is_not_run() -> None:
+    """Two peers pipeline requests and leave while the loop is busy: one the loop had served before, one it
+    never saw. None of what they sent runs (ZeroMQ still delivers it), and a polite client is answered; a peer
+    that stays is served as before."""
+    server = _HeldServer()
+    server.start()
+    ctx = zmq.Context()
+    ghost_ctx = zmq.Context()
+    n = 300
+    try:
+        polite = raw_dealer(ctx, server.endpoint)
+        known = raw_dealer(ghost_ctx, server.endpoint, SNDHWM=0)
+        assert isinstance(request(known, p.HelloRequest(request_id=1)), p.HelloReply)
+        holder = raw_dealer(ctx, server.endpoint)
+        holder.send_multipart(p.encode_request(p.HelloRequest(request_id=0)))
+        while server.ran != [1, 0]:  # readiness: the loop is held
+            time.sleep(0.01)
+        unseen = raw_dealer(ghost_ctx, server.endpoint, SNDHWM=0)
+        for i in range(n):
+            known.send_multipart(p.encode_request(p.HelloRequest(request_id=1000 + i)))
+            unseen.send_multipart(p.encode_request(p.HelloRequest(request_id=2000 + i)))
+        known.close(linger=20_000)  # the requests are written out, then the connections are closed
+        unseen.close(linger=20_000)
+        ghost_ctx.term()
+        while server.metrics()["peers_left"] < 2:  # readiness: both departures are known
+            time.sleep(0.01)
+        polite.send_multipart(p.encode_request(p.HelloRequest(request_id=5)))
+        server.go.set()
+        assert holder.poll(10_000) and p.decode_reply(holder.recv_multipart()).request_id == 0
+        assert polite.poll(10_000) and p.decode_reply(polite.recv_multipart()).request_id == 5
+        while server.metrics()["requests"] < 2 + 2 * n + 1 or server.metrics()["queue_depth"]:
+            time.sleep(0.01)  # readiness: every message was taken and nothing is left queued
+        assert [i for i in server.ran if i >= 1000] == []
+        assert server.metrics()["requests_abandoned"] == 2 * n
+        assert isinstance(request(polite, p.HelloRequest(request_id=6)), p.HelloReply)
+    finally:
+        server.go.set()
         ghost_ctx.destroy(linger=0)
         ctx.destroy(linger=0)
         server.stop()

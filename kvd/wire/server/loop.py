@@ -25,8 +25,18 @@ one request of every other peer with requests queued, however many one of them p
 1,500 ``lengths`` of 4,096 ids took another's p99 from 17 ms to 439 ms behind one shared FIFO; BENCHMARKS.md,
 "Wire", "Fairness"); under overload a request gets ``Busy`` once it is read, never silence; requests of one
 connection start in the order received; and the memory held by received requests is bounded by
-``max_queued_bytes``. The requests still queued for a peer that is gone (its reply met
-EHOSTUNREACH) are dropped unexecuted (``requests_abandoned``): nobody would read their replies.
+``max_queued_bytes``.
+
+*A peer that left* is learned as it leaves: the connection guard passes on ZeroMQ's disconnect events, each
+naming the connection's socket inode, and the loop knows the inode of every connection it took a message from
+(read once, at its first message, while the descriptor is still that connection's). The requests still queued
+for it are dropped unexecuted, and so is everything it sent before leaving that ZeroMQ still delivers
+(``requests_abandoned``): nobody would read their replies. Learned only from a failed reply (EHOSTUNREACH, which
+ZeroMQ gives once the departed peer's pipe is read to its end; until then a reply gets EAGAIN, like one to a
+slow reader), a client that pipelines 1 MiB gets and leaves, again and again, kept every such connection in the
+rotation with a get built for nobody, and the shard stalled for everyone well after the flood
+(BENCHMARKS.md, "Fairness"). This applies to the identities the ROUTER makes (one per connection, never reused);
+a peer that sets its own identity may come back under it, so its departure is learned as before.
 
 *What peers make ZeroMQ hold* is bounded per server by :class:`~kvd.wire.sockets.ConnectionGuard`: ZeroMQ
 assembles a whole multipart message before the loop sees it (``MAXMSGSIZE`` bounds a frame, not a message),
@@ -56,6 +66,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
+import stat
 import threading
 import time
 from typing import Any
@@ -97,6 +109,8 @@ DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the nex
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
+KNOWN_PEERS_MAX = 65536  # connections whose socket inode the loop keeps (one more forgets the oldest)
+GONE_PEERS_MAX = 16384  # connections known to have left, whose messages still delivered are dropped unrun
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
 # microseconds per call, a measurable share of a small request.
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
@@ -223,6 +237,11 @@ class RouterServer:
         self._turns: collections.deque[bytes] = collections.deque()
         self._queued = 0
         self._queued_bytes = 0
+        # departures (loop thread only): the socket inode of each connection a message came from, by identity
+        # (ROUTER-made identities only), the reverse, and the connections known to have left (oldest first)
+        self._peer_inode: dict[bytes, int] = {}
+        self._inode_peers: dict[int, list[bytes]] = {}
+        self._gone: dict[bytes, None] = {}
         self._endpoint: str | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -271,13 +290,14 @@ class RouterServer:
 
     def metrics(self) -> dict[str, Any]:
         """Counters: requests (messages received), errors (error replies, Busy excluded), busy (of those:
-        busy_share, refused because their peer was over its share), requests_abandoned (queued for a peer that
-        left: not executed), peers_queued (connections with requests queued now),
+        busy_share, refused because their peer was over its share), requests_abandoned (queued for, or sent by,
+        a peer that left: not executed), peers_queued (connections with requests queued now),
         requests_per_s (over the last 10 s), bulk_requests (run on a shard's bulk lane), bulk_depth (waiting or
         running on it now; counted in queue_depth),
         bytes_in / bytes_out (frames after the identity),
         replies_dropped (peer gone or not reading, or over the reply budget), replies_over_budget (of those: over
-        ``max_reply_bytes``), peers_cut (by the connection guard), replies_held_bytes (replies not yet in the
+        ``max_reply_bytes``), peers_cut (by the connection guard), peers_left (connections that ended, as the
+        guard saw them), replies_held_bytes (replies not yet in the
         kernel, last look), queue_depth, queued_bytes, queue_peak, compactions, compacted_bytes, uptime_s,
         socket_buffer_bytes (each connection's TCP buffers as asked of the kernel; 0: the system's, autotuned),
         max_reply_bytes (the reply budget in force)."""
@@ -285,6 +305,7 @@ class RouterServer:
         out = self._metrics.snapshot(self._queued + self._bulk_pending, self._queued_bytes,
                                      guard.cuts if guard else 0, guard.held_total if guard else 0,
                                      self._bulk_pending, len(self._peers))
+        out["peers_left"] = guard.departures if guard else 0
         out["socket_buffer_bytes"] = self._socket_buffer
         out["max_reply_bytes"] = self._max_reply
         return out
@@ -451,6 +472,8 @@ class RouterServer:
                 break
             self._admit(sock, recv_frames(sock))
             n += 1
+        if guard is not None and guard.departed:  # before a request runs: none for a peer that left
+            self._departures(guard)
         if not self._queued:
             return idle_work
         ident, frames, size, fd = self._next()
@@ -510,6 +533,9 @@ class RouterServer:
         if guard is not None:  # what the loop took from this connection (ZeroMQ no longer holds it)
             fd = frames[0].get(_SRCFD)
             guard.took(fd, lens)
+            if ident[:1] == b"\0" and fd >= 0 and self._left(guard, ident, fd):  # (a ROUTER-made identity)
+                metrics.requests_abandoned += 1
+                return
         peer = self._peers.get(ident)
         held = (len(peer.requests) if peer is not None else 0) + self._bulk_owed.get(ident, 0)
         depth = self._queued + self._bulk_pending
@@ -606,6 +632,54 @@ class RouterServer:
         self._metrics.requests_abandoned += n
         queue.requests.clear()
         self._turns.remove(ident)
+
+    def _left(self, guard: ConnectionGuard, ident: bytes, fd: int) -> bool:
+        """Whether the connection ``ident`` (a ROUTER-made identity) that sent a message on descriptor ``fd`` is
+        known to have left; the first message of a connection records its socket's inode."""
+        if guard.departed:
+            self._departures(guard)
+        if ident in self._gone:
+            return True
+        if ident in self._peer_inode:
+            return False
+        # Its first message: while a connection lasts, the descriptor its messages carry is its own socket. Closed
+        # (or another kind of file now): it left. Another socket now (the number reused): the connection is taken
+        # for that one, and its departure is then learned late (from a failed reply), never early.
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            st = None
+        if st is None or not stat.S_ISSOCK(st.st_mode):
+            self._gone_peer(ident)
+            return True
+        peer_inode = self._peer_inode
+        if len(peer_inode) >= KNOWN_PEERS_MAX:
+            self._forget_peer(next(iter(peer_inode)))
+        peer_inode[ident] = st.st_ino
+        self._inode_peers.setdefault(st.st_ino, []).append(ident)
+        return False
+
+    def _departures(self, guard: ConnectionGuard) -> None:
+        """Take the connections the guard saw end: their queued requests are dropped, their later messages too."""
+        departed = guard.departed
+        while departed:
+            for ident in self._inode_peers.pop(departed.popleft(), ()):
+                self._peer_inode.pop(ident, None)
+                self._gone_peer(ident)
+
+    def _gone_peer(self, ident: bytes) -> None:
+        gone = self._gone
+        if len(gone) >= GONE_PEERS_MAX:
+            del gone[next(iter(gone))]
+        gone[ident] = None
+        self._abandon(ident)
+
+    def _forget_peer(self, ident: bytes) -> None:
+        ino = self._peer_inode.pop(ident)
+        peers = self._inode_peers[ino]
+        peers.remove(ident)
+        if not peers:
+            del self._inode_peers[ino]
 
     def _run(self, frames: list[zmq.Frame], ident: bytes, size: int, fd: int) -> list[p.Frame] | None:
         """Parse, execute and encode: the reply frames; or None when the request went to the bulk lane (its
