@@ -363,7 +363,7 @@ def prefix_run(engine: Engine, args: argparse.Namespace, mode: str, seed: int, w
            str(args.output_len), "--num-prompts", str(args.prompts), "--request-rate", rate,
            "--max-concurrency", str(args.concurrency), "--seed", str(seed), "--ignore-eos", "--disable-tqdm",
            "--percentile-metrics", "ttft", "--metric-percentiles", "50,99", "--save-result",
-           "--result-dir", str(workdir), "--result-filename", out.name]
+           "--save-detailed", "--result-dir", str(workdir), "--result-filename", out.name]  # (detailed: errors)
     r = subprocess.run(cmd, capture_output=True, text=True, env=niced_env(), preexec_fn=lambda: os.nice(19))
     if r.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed ({r.returncode}): {r.stderr.strip()[-600:]}")
@@ -668,6 +668,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for (system, workload, mode), rs in runs.items():
         print(row(system, workload, mode, rs))
+    for (system, workload, mode), rs in runs.items():  # why requests failed, as the client says
+        for error in sorted({e.strip().splitlines()[-1][:200] for r in rs for e in r.errors if e.strip()}):
+            print(f"failed ({system}, {workload}, {mode}): {error}")
     if args.json:
         args.json.write_text(json.dumps({f"{s}/{w}/{m}": [r.__dict__ | {"rps": r.rps} for r in rs]
                                          for (s, w, m), rs in runs.items()}, indent=1))
