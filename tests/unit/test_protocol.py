@@ -314,14 +314,19 @@ def get_pages_replies(draw: Any) -> p.GetPagesReply:
 
 @st.composite
 def span_pages(draw: Any) -> bytes:
-    """Bytes that frame as a kvd page (magic, raw-head count, payload length); the rest is random: the protocol
-    only frames pages, the page decoder checks them."""
-    n_raw, payload = draw(st.integers(0, 5)), draw(st.integers(0, 40))
-    head = b"KVDP" + draw(st.binary(min_size=6, max_size=6)) + n_raw.to_bytes(2, "little")
-    head += draw(st.binary(min_size=8, max_size=8)) + payload.to_bytes(4, "little")
-    rest = draw(st.binary(min_size=8 + (2 * n_raw + 7) // 8 * 8 + payload, max_size=8 + (2 * n_raw + 7) // 8 * 8
-                          + payload))
-    return head + rest
+    """Bytes that frame as a kvd page (magic, version, raw-head count, payload length, and in a version 2 page
+    the held-head count); the rest is random: the protocol only frames pages, the page decoder checks them."""
+    version, n_raw, payload = draw(st.sampled_from((1, 2))), draw(st.integers(0, 5)), draw(st.integers(0, 40))
+
+    def noise(n: int) -> bytes:
+        return bytes(draw(st.binary(min_size=n, max_size=n)))
+
+    page = b"KVDP" + bytes([version]) + noise(5) + n_raw.to_bytes(2, "little") + noise(8)
+    page += payload.to_bytes(4, "little") + noise(8) + noise((2 * n_raw + 7) // 8 * 8)
+    if version == 2:  # the held heads' block: its count, then its own 6 bytes, then the heads
+        n_held = draw(st.integers(0, 5))
+        page += n_held.to_bytes(2, "little") + noise(6) + noise((2 * n_held + 7) // 8 * 8)
+    return page + noise(payload)
 
 
 @st.composite
