@@ -84,6 +84,9 @@ class _Message:
     EXTRA_KEYS: ClassVar[tuple[str, ...]] = ()  # header keys handled by _payload / _from_payload
     FRAMES: ClassVar[int | None] = 0  # binary frames after the header; None: the class counts them
     OPTIONAL: ClassVar[tuple[str, ...]] = ()  # FIELDS that may be absent or nil on the wire (= the default)
+    # header fields beside FIELDS on the wire only when not their default (a later minor version's, so that a
+    # message without them keeps its bytes); absent or nil: the default. _payload / _from_payload handle them.
+    SET_ONLY: ClassVar[tuple[tuple[str, Check], ...]] = ()
 
     request_id: int
 
@@ -105,11 +108,14 @@ class _Message:
         """Rules spanning several fields (InvalidArgument). ``wire``: the frames were already checked."""
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return {}, []
+        defaults = _DEFAULTS[type(self)]
+        return {name: getattr(self, name) for name, _ in self.SET_ONLY
+                if getattr(self, name) is not defaults[name]}, []
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        return {}
+        return {name: check(name, header[name], ProtocolError) for name, check in cls.SET_ONLY
+                if header.get(name) is not None}
 
 
 def _check_fields(msg: _Message, exc: type[KvdError]) -> None:
@@ -118,6 +124,12 @@ def _check_fields(msg: _Message, exc: type[KvdError]) -> None:
         normal = check(name, value, exc)
         if normal is not value:
             object.__setattr__(msg, name, normal)
+    if msg.SET_ONLY:
+        defaults = _DEFAULTS[type(msg)]
+        for name, check in msg.SET_ONLY:
+            value = getattr(msg, name)
+            if value is not defaults[name]:
+                object.__setattr__(msg, name, check(name, value, exc))
     if not (isinstance(msg, ErrorReply) and msg.request_id is None):
         object.__setattr__(msg, "request_id", check_request_id("id", msg.request_id, exc))
     msg._cross_check(wire=False)
@@ -132,20 +144,8 @@ class HelloRequest(_Message):
     """
 
     OP = "hello"
-    EXTRA_KEYS = ("incarnation",)
+    SET_ONLY = (("incarnation", check_bool),)
     incarnation: bool = False
-
-    def _cross_check(self, wire: bool = False) -> None:
-        if not wire:
-            object.__setattr__(self, "incarnation", check_bool("incarnation", self.incarnation, InvalidArgument))
-
-    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return ({"incarnation": True} if self.incarnation else {}), []
-
-    @classmethod
-    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        value = header.get("incarnation")
-        return {"incarnation": False if value is None else check_bool("incarnation", value, ProtocolError)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -396,24 +396,14 @@ class CalibrateRequest(_Message):
     OP = "calibrate"
     FIELDS = (("namespace", check_namespace), ("calibration", check_opt_calibration))
     OPTIONAL = ("calibration",)
-    EXTRA_KEYS = ("require",)
+    SET_ONLY = (("require", check_bool),)
     namespace: str
     calibration: dict[str, Any] | None = None
     require: bool | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
-        if not wire and self.require is not None:
-            object.__setattr__(self, "require", check_bool("require", self.require, InvalidArgument))
         if self.calibration is None and self.require is None:
             raise InvalidArgument("calibrate needs a calibration, require, or both: it has neither")
-
-    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return ({"require": self.require} if self.require is not None else {}), []
-
-    @classmethod
-    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        value = header.get("require")
-        return {"require": None if value is None else check_bool("require", value, ProtocolError)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -467,7 +457,7 @@ class HelloReply(_Message):
         *((name, check_position) for name in _LIMIT_FIELDS),
     )
     OPTIONAL = ("page_tokens",)
-    EXTRA_KEYS = ("incarnation",)
+    SET_ONLY = (("incarnation", check_short_text),)
     protocol_version: int = PROTOCOL_VERSION
     protocol_minor: int = PROTOCOL_MINOR
     kvd_version: str
@@ -482,8 +472,6 @@ class HelloReply(_Message):
     incarnation: str | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
-        if not wire and self.incarnation is not None:
-            check_short_text("incarnation", self.incarnation, InvalidArgument)
         if (self.page_tokens is None) != (self.role == "coordinator"):
             raise InvalidArgument(
                 f"page_tokens must be set for a shard and nil for a coordinator, got role "
@@ -497,14 +485,6 @@ class HelloReply(_Message):
     @property
     def limits(self) -> Limits:
         return Limits(**{name: getattr(self, name) for name in _LIMIT_FIELDS})
-
-    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return ({"incarnation": self.incarnation} if self.incarnation is not None else {}), []
-
-    @classmethod
-    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        value = header.get("incarnation")
-        return {"incarnation": None if value is None else check_short_text("incarnation", value, ProtocolError)}
 
     @classmethod
     def for_limits(cls, limits: Limits, **fields: Any) -> HelloReply:
@@ -532,21 +512,9 @@ class AppendReply(_Message):
 
     OP = "append"
     FIELDS = (("length", check_position),)
-    EXTRA_KEYS = ("notice",)
+    SET_ONLY = (("notice", _NOTICE),)
     length: int
     notice: str | None = None
-
-    def _cross_check(self, wire: bool = False) -> None:
-        if not wire and self.notice is not None:
-            _NOTICE("notice", self.notice, InvalidArgument)
-
-    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return ({"notice": self.notice} if self.notice is not None else {}), []
-
-    @classmethod
-    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        value = header.get("notice")
-        return {"notice": None if value is None else _NOTICE("notice", value, ProtocolError)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -743,25 +711,13 @@ class CalibrateReply(_Message):
     FIELDS = (("state", check_calibration_state), ("reason", _REASON), ("digest", _opt_text), ("model", _opt_text),
               ("levels", check_calibration_levels))
     OPTIONAL = ("digest", "model", "levels")
-    EXTRA_KEYS = ("required",)
+    SET_ONLY = (("required", check_bool),)
     state: str
     reason: str
     digest: str = ""
     model: str = ""
     levels: dict[str, dict[str, Any]] | None = None  # normalised to a dict
     required: bool | None = None
-
-    def _cross_check(self, wire: bool = False) -> None:
-        if not wire and self.required is not None:
-            object.__setattr__(self, "required", check_bool("required", self.required, InvalidArgument))
-
-    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return ({"required": self.required} if self.required is not None else {}), []
-
-    @classmethod
-    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        value = header.get("required")
-        return {"required": None if value is None else check_bool("required", value, ProtocolError)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

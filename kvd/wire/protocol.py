@@ -129,7 +129,8 @@ _PAYLOAD_NAMES = {
 }  # the fields _from_payload fills (or their defaults)
 _ENVELOPES: tuple[tuple[str, ...], ...] = (("v", "id", "op"), ("v", "id", "op", "ok"), ("v", "id", "ok"))
 _KNOWN: dict[tuple[type[_Message], tuple[str, ...]], frozenset[str]] = {  # header keys each message may have
-    (c, env): frozenset((*env, *(name for name, _ in c.FIELDS), *c.EXTRA_KEYS)) for c in _ALL for env in _ENVELOPES
+    (c, env): frozenset((*env, *(name for name, _ in (*c.FIELDS, *c.SET_ONLY)), *c.EXTRA_KEYS))
+    for c in _ALL for env in _ENVELOPES
 }
 
 
@@ -341,7 +342,7 @@ def _encode(msg: _Message, envelope: dict[str, Any], limits: Limits | None) -> l
     header = envelope
     for name, _check in msg.FIELDS:
         header[name] = getattr(msg, name)
-    if msg.FRAMES == 0 and not msg.EXTRA_KEYS:
+    if msg.FRAMES == 0 and not msg.EXTRA_KEYS and not msg.SET_ONLY:
         out: list[Frame] = [_packb(header)]
     else:
         extra, frames = msg._payload()
