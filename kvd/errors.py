@@ -130,6 +130,11 @@ class DiskError(KvdError, OSError):
     code = 20
 
 
+class KvdWarning(UserWarning):
+    """Something a call succeeded despite, that its caller should act on: e.g. a client's append to a namespace
+    that needs a calibration (protocol 1.8, the append reply's ``notice``). Not an error: no wire code."""
+
+
 def _all_subclasses(cls: type[KvdError]) -> list[type[KvdError]]:
     out = [cls]
     for sub in cls.__subclasses__():

@@ -155,6 +155,7 @@ def fast_reply(frames, limits):
         reply = _new(_AppendReply)
         _set(reply, "request_id", rid)
         _set(reply, "length", length)
+        _set(reply, "notice", None)  # (a reply with a notice takes the Python path)
         return reply
     if not start <= end <= MAX_POSITION or shape[0] != <uint64_t>nlay or shape[1] != end - start \
             or shape[1] > MAX_INDEX or not 1 <= shape[2] <= MAX_INDEX or not 1 <= shape[3] <= MAX_INDEX:
@@ -191,7 +192,7 @@ def fast_request(frames, limits):
     cdef unsigned int seen = 0, bit, entries
     cdef int env
     cdef uint64_t v = 0, rid = 0, start = 0, end = 0, offset = 0, position = 0, seq_int = 0, need = 0
-    cdef bint seq_is_int = False, has_layers = False, pages = False, packed = False
+    cdef bint seq_is_int = False, has_layers = False, pages = False, packed = False, notices = False
     cdef int has_end = 0, has_offset = 0, has_position = 0  # 1: a value, 0: nil or absent, -1: a bad value
     cdef uint64_t shape[4]
     cdef uint64_t lays[MAX_FLAT_LAYERS]
@@ -200,9 +201,10 @@ def fast_request(frames, limits):
     if size < 0:
         return None
     entries = head[0] ^ 0x80
-    # a get: packed only when true; an append: position and incarnation only when set, packed when 2 frames
-    if (n == 1 and not 9 <= entries <= 10) or (n == 3 and not 8 <= entries <= 10) \
-            or (n == 2 and not 9 <= entries <= 11):
+    # a get: packed only when true; an append: position, incarnation and notices only when set, packed when 2
+    # frames
+    if (n == 1 and not 9 <= entries <= 10) or (n == 3 and not 8 <= entries <= 11) \
+            or (n == 2 and not 9 <= entries <= 12):
         return None
     r.p, r.end = head + 1, head + size
     for i in range(entries):
@@ -275,13 +277,18 @@ def fast_request(frames, limits):
             bit = 1024
             if not rd_byte(&r, 0xC3):
                 return None
+        elif n != 1 and is_(k, klen, b"notices"):
+            bit = 2048
+            if not rd_byte(&r, 0xC3):  # sent only when true
+                return None
+            notices = True
         else:
             return None
         if seen & bit or has_end < 0 or has_offset < 0 or has_position < 0:  # a duplicate key, a bad position
             return None
         seen |= bit
-    # every required key: v, id, op, namespace, seq_id and the op's own (the optional ones are 256 and 512, and
-    # packed, 1024, which a packed append must have)
+    # every required key: v, id, op, namespace, seq_id and the op's own (the optional ones are 256, 512 and 2048,
+    # and packed, 1024, which a packed append must have)
     if r.p != r.end or v != _VERSION or (seen & 0xFF) != 0xFF or (n == 2 and not seen & 1024):
         return None
     namespace = PyUnicode_DecodeASCII(<const char*>ns, ns_len, NULL)
@@ -321,4 +328,5 @@ def fast_request(frames, limits):
     _set(req, "incarnation", PyUnicode_DecodeASCII(<const char*>inc, inc_len, NULL) if inc != NULL else None)
     _set(req, "packed", n == 2)
     _set(req, "parent", None)  # (a request with a parent takes the generic decoder)
+    _set(req, "notices", notices)
     return req

@@ -30,10 +30,12 @@ def encode_request(req, limits):
     if cls is not _AppendRequest:
         return None
     keys, values, position, incarnation, packed = req.keys, req.values, req.position, req.incarnation, req.packed
-    if (packed is not False and packed is not True) or req.parent is not None:  # a parent: the generic encoder
+    notices = req.notices
+    if (packed is not False and packed is not True) or (notices is not False and notices is not True) \
+            or req.parent is not None:  # a parent: the generic encoder
         return None
-    if not w_envelope(&w, 8 + (position is not None) + (incarnation is not None) + packed, req.request_id,
-                      b"append") or not w_sequence(&w, req):
+    if not w_envelope(&w, 8 + (position is not None) + (incarnation is not None) + notices + packed,
+                      req.request_id, b"append") or not w_sequence(&w, req):
         return None
     w_key(&w, b"offset")
     if not w_opt_uint(&w, req.offset) or not w_str_field(&w, b"dtype", req.dtype):
@@ -45,6 +47,9 @@ def encode_request(req, limits):
         return None
     if incarnation is not None and not w_str_field(&w, b"incarnation", incarnation):
         return None
+    if notices:
+        w_key(&w, b"notices")
+        w_byte(&w, 0xC3)
     if packed:
         w_key(&w, b"packed")
         w_byte(&w, 0xC3)
@@ -58,7 +63,7 @@ def encode_reply(reply, limits):
     cdef Wr w
     w.p, w.end, w.bad = buf, buf + HEADER_ROOM, False
     cls = type(reply)
-    if cls is not _GetReply and cls is not _AppendReply:
+    if cls is not _GetReply and (cls is not _AppendReply or reply.notice is not None):  # a notice: the generic
         return None
     packed = reply.packed if cls is _GetReply else None
     if not w_envelope(&w, 5 if cls is _AppendReply else 10 if packed is None else 11, reply.request_id,

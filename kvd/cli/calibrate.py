@@ -5,8 +5,11 @@ running kvd (``Client.calibrate``: the coordinator keeps it with the namespace a
 The page geometry the errors are measured with (``page_tokens``, ``sink_tokens``, the 8-bit format) is the
 shards' own, read from their stats first, so the measurement is of pages as that kvd stores them. Prints the
 table of errors and the protection chosen (``Calibration.table()``), then the state the shards report.
-Exit status: 0 when the calibration is active, 1 when it is not (quarantined: measured on another layout) or the
-kvd or the namespace could not be reached, 2 for a bad sample file or bad options.
+``--require`` / ``--no-require`` set the namespace's own ``require_calibration`` (protocol 1.8), with a sample
+or alone (then the namespace keeps its calibration, if any).
+Exit status: 0 when the calibration is active (without a sample: when the setting was applied), 1 when it is not
+(quarantined: measured on another layout) or the kvd or the namespace could not be reached, 2 for a bad sample
+file or bad options.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ def add_parser(add_verb: Any, common: Any, default_port: int) -> None:
         f"layer (keys after RoPE, at least {HELP_MIN_TOKENS} tokens), as kvd.integrations.capture writes it from "
         "a transformers model and a few texts. NAMESPACE must be registered (the engine's first register does "
         "it). Exit status 0 when the calibration is active, 1 when it is quarantined (the sample is of another "
-        "layout) or kvd or the namespace could not be reached, 2 for a bad sample or options.",
+        "layout) or kvd or the namespace could not be reached, 2 for a bad sample or options. --require / "
+        "--no-require set whether the namespace requires a calibration (its own require_calibration, kept with "
+        "its calibration by the coordinator): with --sample together with the calibration, without it alone.",
         epilog="A sample from a transformers model: kvd.integrations.capture.capture_sample(model, tokenizer, "
         "texts, tokens=1024, path='m.npz'); then: kvd calibrate NAMESPACE --sample m.npz. `kvd status` lists "
         "the namespaces (a vLLM connector's is kvd/vllm/<model>/<digest>) with their calibration state.",
@@ -71,7 +76,12 @@ def add_parser(add_verb: Any, common: Any, default_port: int) -> None:
     cal.add_argument("kv_namespace", metavar="NAMESPACE",
                      help="the KV namespace (one model's layout) to calibrate (--namespace is the kvd's Ray "
                      "namespace)")
-    cal.add_argument("--sample", metavar="FILE", required=True, help="the .npz sample of the model's q/k/v")
+    cal.add_argument("--sample", metavar="FILE",
+                     help="the .npz sample of the model's q/k/v (required unless --require / --no-require)")
+    cal.add_argument("--require", action=argparse.BooleanOptionalAction, default=None,
+                     help="the namespace requires a calibration (--no-require: it does not), whatever the shards' "
+                     "store.require_calibration says: without one its pages stay fp16 (store.allow_raw_fallback) "
+                     "or its appends report that it needs one. Default: unchanged")
     cal.add_argument("--budget-8bit", type=_budget, metavar="EPS",
                      help=f"mean eps_O allowed at the 8-bit rung (default {HELP_BUDGETS['8bit']}: "
                      f"{100 * HELP_BUDGETS['8bit']:g}%%)")
@@ -111,11 +121,16 @@ def _geometry(stats: list[dict[str, Any]], namespace: str) -> tuple[int, int, st
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    config = _load(args)
+    endpoint = _endpoint_arg(args, config)
+    if args.sample is None:
+        if args.require is None:
+            _say("kvd calibrate: give --sample FILE, --require / --no-require, or both")
+            return _EXIT_USAGE
+        return _require_only(args, endpoint, config)
     from kvd.calibration import DEFAULT_BUDGETS, calibrate, load_sample
     from kvd.client.sync import Client
 
-    config = _load(args)
-    endpoint = _endpoint_arg(args, config)
     try:
         sample = load_sample(args.sample)
     except InvalidArgument as exc:
@@ -140,12 +155,34 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         except InvalidArgument as exc:  # e.g. too few tokens for a page past the sink at this geometry
             _say(f"kvd calibrate: bad sample: {exc}")
             return _EXIT_USAGE
-        state = client.calibrate(args.kv_namespace, cal)
+        state = client.calibrate(args.kv_namespace, cal, require=args.require)
     if args.json:
         print(json.dumps({"namespace": args.kv_namespace, "state": state, "calibration": cal.to_dict()}, indent=2))
     else:
         print(cal.table())
-        print(f"\nnamespace {args.kv_namespace!r}: calibration {state['state']}"
-              + (f" ({state['reason']})" if state.get("reason") else ""))
+        print("\n" + _state_line(args.kv_namespace, state))
     sys.stdout.flush()
     return _EXIT_OK if state["state"] == "active" else _EXIT_ERROR
+
+
+def _require_only(args: argparse.Namespace, endpoint: str, config: Any) -> int:
+    """``kvd calibrate NAMESPACE --require`` (or ``--no-require``) without a sample: the setting alone."""
+    from kvd.client.sync import Client
+
+    with Client(endpoint, timeout_s=args.timeout, curve=_curve_client(config)) as client:
+        state = client.calibrate(args.kv_namespace, require=args.require)
+    if args.json:
+        print(json.dumps({"namespace": args.kv_namespace, "state": state}, indent=2))
+    else:
+        print(_state_line(args.kv_namespace, state))
+    sys.stdout.flush()
+    return _EXIT_OK
+
+
+def _state_line(namespace: str, state: dict[str, Any]) -> str:
+    """``namespace 'm': calibration active (reason)``, and whether it requires one when the reply says."""
+    line = f"namespace {namespace!r}: calibration {state['state']}" + (
+        f" ({state['reason']})" if state.get("reason") else "")
+    if "required" in state:
+        line += f"; requires a calibration: {'yes' if state['required'] else 'no'}"
+    return line

@@ -99,12 +99,15 @@ def shard_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
 def calibration_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:
     """Each namespace's calibration state (none, active, quarantined; missing / needed where
     ``require_calibration`` asks for one) as the shards report it (``mixed`` naming each shard's when they
-    differ), and what each level's protection achieves against its budget on the sample; below it, why a
-    calibration is not in force. Then the pages the calibrations kept raw or held at a less compact level.
-    Empty when no shard reports a namespace."""
+    differ), whether it requires one (``yes`` / ``no``: its own setting; in parentheses: the shards'
+    ``store.require_calibration``), and what each level's protection achieves against its budget on the
+    sample; below it, why a calibration is not in force. Then the pages the calibrations kept raw or held at a
+    less compact level. Empty when no shard reports a namespace."""
     states: dict[str, dict[str, str]] = {}
     budgets: dict[str, str] = {}
     reasons: dict[str, str] = {}
+    required: dict[str, bool] = {}
+    default: set[bool] = set()
     unlisted = 0
     held = raw = 0
     for sid, s in shards:
@@ -114,6 +117,9 @@ def calibration_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> st
             states.setdefault(name, {})[sid] = str(state)
         budgets.update(s.get("calibration_budgets") or {})
         reasons.update(s.get("calibration_reasons") or {})
+        required.update(s.get("calibration_required") or {})
+        if isinstance(s.get("require_calibration"), bool):
+            default.add(s["require_calibration"])
         unlisted = max(unlisted, int(s.get("calibration_unlisted") or 0))
         held += int(s.get("calibration_held_pages") or 0)
         raw += int(s.get("calibration_raw_pages") or 0)
@@ -125,14 +131,24 @@ def calibration_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> st
         kinds = set(seen.values())
         state = (kinds.pop() if len(kinds) == 1
                  else "mixed: " + ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
-        rows.append([name, state, budgets.get(name, "-")])
-    out = _table(["namespace", "calibration", "eps_O on the sample vs budget"], rows)
+        rows.append([name, state, _requires(required.get(name), default), budgets.get(name, "-")])
+    out = _table(["namespace", "calibration", "requires one", "eps_O on the sample vs budget"], rows)
     if unlisted:
         out += f"\n({unlisted} more namespaces not listed)"
     notes = [f"  {name}: {reasons[name]}" for name in sorted(reasons) if name in states]
     if notes:
         out += "\n" + "\n".join(notes)
     return out + f"\npages held back by calibrations: {held} at a less compact level, {raw} kept fp16"
+
+
+def _requires(own: bool | None, default: set[bool]) -> str:
+    """A namespace's ``requires one`` cell: its own setting, else the shards' in parentheses (``-``: unknown,
+    ``mixed``: the shards differ)."""
+    if own is not None:
+        return "yes" if own else "no"
+    if len(default) != 1:
+        return "(mixed)" if default else "-"
+    return "(yes)" if next(iter(default)) else "(no)"
 
 
 def disk_table(shards: Sequence[tuple[str, dict[str, Any] | None]]) -> str:

@@ -140,10 +140,10 @@ class AsyncClient(_Core):
         """See :meth:`Client.register`."""
         await self._drive(self._plan_register(namespace, (num_layers, num_kv_heads, head_dim), timeout_s))
 
-    async def calibrate(self, namespace: str, calibration: Any, *,
+    async def calibrate(self, namespace: str, calibration: Any = None, *, require: bool | None = None,
                         timeout_s: float | None = None) -> dict[str, Any]:
         """See :meth:`Client.calibrate`."""
-        return await self._drive(self._plan_calibrate(namespace, calibration, timeout_s))
+        return await self._drive(self._plan_calibrate(namespace, calibration, require, timeout_s))
 
     async def append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, *,
                      offset: int | None = None, dtype: str | None = None, position: int | None = None,

@@ -74,7 +74,7 @@ class _Conn:
     __slots__ = ("endpoint", "shard_id", "sock", "monitor", "hello", "limits", "packs", "lookups", "positions",
                  "parents",
                  "packs_tensors", "waiting", "replies", "reader", "rcvtimeo", "closed", "incarnation", "attends",
-                 "calibrates")
+                 "calibrates", "notices", "requires")
 
     def __init__(self, endpoint: str, sock: Any, monitor: Any) -> None:
         self.endpoint, self.sock, self.monitor = endpoint, sock, monitor
@@ -85,6 +85,8 @@ class _Conn:
         self.lookups = False  # the server answers lengths (protocol 1.2)
         self.attends = False  # the server answers attend (protocol 1.5)
         self.calibrates = False  # the server answers calibrate (protocol 1.7)
+        self.requires = False  # the server takes calibrate's require, the calibration optional (protocol 1.8)
+        self.notices = False  # the server takes append's notices and may answer with a notice (protocol 1.8)
         self.positions = False  # the server takes append's position field (protocol 1.3)
         self.parents = False  # the server takes append's parent field (protocol 1.6)
         self.packs_tensors = False  # the server takes and sends keys and values in one frame (protocol 1.4)
@@ -164,6 +166,8 @@ def _check_hello(conn: _Conn, reply: Any, expect_id: str | None) -> None:
     conn.lookups = reply.protocol_minor >= 2  # the lengths operation
     conn.attends = reply.protocol_minor >= 5  # the attend operation
     conn.calibrates = reply.protocol_minor >= 7  # the calibrate operation
+    conn.requires = reply.protocol_minor >= 8  # calibrate's require
+    conn.notices = reply.protocol_minor >= 8  # append's notices (the reply's notice)
     conn.positions = reply.protocol_minor >= 3  # append's position
     conn.parents = reply.protocol_minor >= 6  # append's parent
     conn.packs_tensors = reply.protocol_minor >= 4  # packed fp16 tensors (append, fp16 get reply)

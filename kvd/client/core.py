@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from kvd.client.messages import (
 from kvd.errors import (
     InvalidArgument,
     KvdError,
+    KvdWarning,
     MessageTooLarge,
     ProtocolError,
     ShardUnavailable,
@@ -106,6 +108,10 @@ class _Core:
         # oldest entry, taken with next(iter()) after many deletions, costs a scan over the deleted slots
         # before it (up to 50 us more per append past WRITTEN_ENTRIES sequences; bench/client_state.py)
         self._written: OrderedDict[tuple[str, type, p.SeqId], str] = OrderedDict()
+        # namespace -> the latest notice its append replies carried (protocol 1.8; see _note), and the
+        # namespaces this client warned about
+        self.notices: dict[str, str] = {}
+        self._warned: set[str] = set()
         self._closed = False
 
     # -------------------------------------------------------------------------------------------- helpers
@@ -168,6 +174,22 @@ class _Core:
             written[key] = conn.incarnation
         elif type(req) is p.DropRequest:
             self._written.pop(key, None)
+
+    def _note(self, req: Any, reply: Any) -> None:
+        """After a successful append ``req`` (sent with ``notices``, to a 1.8 server): keep its reply's notice
+        as the namespace's latest in :attr:`notices` (a reply without one clears it: the namespace got what it
+        lacked), and warn (:class:`~kvd.errors.KvdWarning`) the first time a namespace has one."""
+        notice = reply.notice
+        if notice is None:
+            if self.notices and req.notices:
+                self.notices.pop(req.namespace, None)
+            return
+        namespace = req.namespace
+        self.notices[namespace] = notice
+        if namespace not in self._warned:
+            self._warned.add(namespace)
+            warnings.warn(f"kvd namespace {namespace!r}: {notice} (this client warns once per namespace; "
+                          "client.notices holds the latest)", KvdWarning, stacklevel=3)
 
     # -------------------------------------------------------------------------------------------- plans
 
@@ -300,6 +322,8 @@ class _Core:
                 value = _value(req, reply)
                 if type(req) in (p.AppendRequest, p.DropRequest):
                     self._remember(req, conn)
+                    if type(req) is p.AppendRequest:
+                        self._note(req, reply)
                 return value
             except WrongShard as exc:
                 assert conn is not None  # hello never answers WrongShard
@@ -390,27 +414,30 @@ class _Core:
         if errors:
             raise errors[0]
 
-    def _plan_calibrate(self, namespace: str, calibration: Any, timeout_s: float | None) -> Plan:
+    def _plan_calibrate(self, namespace: str, calibration: Any, require: bool | None,
+                        timeout_s: float | None) -> Plan:
         """``calibrate`` on every shard, as ``register``: each shard applies it (in a cluster it is made
         cluster-wide first: the coordinator keeps it with the namespace and hands it to every shard, also one
-        that starts later). Every shard must speak protocol 1.7: nothing is sent otherwise. Returns the first
-        shard's calibration state."""
+        that starts later). Every shard must speak protocol 1.7 (1.8 with ``require``): nothing is sent
+        otherwise. Returns the first shard's calibration state."""
         from kvd.calibration import Calibration, from_dict
 
         record = calibration.to_dict() if isinstance(calibration, Calibration) else calibration
-        from_dict(record)  # argument errors (a malformed record, a digest that does not match) before any I/O
+        if record is not None:
+            from_dict(record)  # argument errors (a malformed record, a digest that does not match) before any I/O
 
         def make(rid: int) -> p.CalibrateRequest:
-            return p.CalibrateRequest(request_id=rid, namespace=namespace, calibration=record)
+            return p.CalibrateRequest(request_id=rid, namespace=namespace, calibration=record, require=require)
 
         make(0)
         deadline = self._deadline(timeout_s)
         for shard in self._shards:
             conn = yield from self._g_conn(shard, deadline)
-            if not conn.calibrates:
+            if not conn.calibrates or (require is not None and not conn.requires):
                 minor = conn.hello.protocol_minor if conn.hello else 0
-                raise ProtocolError(f"shard {conn.shard_id!r} speaks protocol 1.{minor}: calibrate needs 1.7 on "
-                                    "every shard (nothing was sent); upgrade the cluster's kvd")
+                what = "calibrate needs 1.7" if not conn.calibrates else "calibrate's require needs 1.8"
+                raise ProtocolError(f"shard {conn.shard_id!r} speaks protocol 1.{minor}: {what} on every shard "
+                                    "(nothing was sent); upgrade the cluster's kvd")
         results = yield from self._g_everywhere(make, timeout_s)
         if self._coordinator is not None and any(isinstance(r, (ShardUnavailable, Timeout)) for r in results):
             yield from self._g_refresh(self._deadline(timeout_s))

@@ -88,8 +88,11 @@ def _value(req: Any, reply: Any) -> Any:
     if isinstance(reply, p.StatsReply):
         return reply.stats
     if isinstance(reply, p.CalibrateReply):
-        return {"state": reply.state, "reason": reply.reason, "digest": reply.digest, "model": reply.model,
-                "levels": dict(reply.levels or {})}
+        out = {"state": reply.state, "reason": reply.reason, "digest": reply.digest, "model": reply.model,
+               "levels": dict(reply.levels or {})}
+        if reply.required is not None:
+            out["required"] = reply.required
+        return out
     if isinstance(reply, p.ExplainReply):
         return {"level": reply.level, "reasons": list(reply.reasons), **(reply.details or {})}
     if isinstance(reply, p.TopologyReply):
@@ -144,7 +147,8 @@ def _on_wire(conn: _Conn, req: Any) -> Any:
     hello found (protocol 1.3), so a successor on the same port refuses it. The caller's result is the same. An
     append's ``position`` is left out for a server older than 1.3: it only spares pages the sink protection, so
     such a server stores the tokens the same, at most with one more fp16 page; its ``parent`` for a server older
-    than 1.6, which stores the tokens the same and evicts by recency alone."""
+    than 1.6, which stores the tokens the same and evicts by recency alone. An append to a 1.8 server asks for
+    its reply's ``notice`` (``notices``), which the client surfaces (:meth:`kvd.client.core._Core._note`)."""
     kind = type(req)
     if kind is p.GetRequest:
         if req.packed != (conn.packs if req.format == "pages" else conn.packs_tensors):
@@ -159,6 +163,8 @@ def _on_wire(conn: _Conn, req: Any) -> Any:
         changes["parent"] = None
     if conn.incarnation is not None and req.incarnation is None:
         changes["incarnation"] = conn.incarnation
+    if req.notices is not conn.notices:  # (a request resent to another shard: that shard's own)
+        changes["notices"] = conn.notices
     if conn.packs_tensors and not req.packed:
         size = 2 * req.keys.nbytes  # (one frame: it must fit the server's frame limit too)
         if size < PACK_BELOW_BYTES and size <= conn.limits.max_frame_bytes:

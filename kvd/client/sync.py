@@ -28,6 +28,11 @@ never retried silently (set ``offset`` to make a resend safe). A shard that answ
 1.3: it does not own the sequence by its topology) executed nothing: the client reads the topology again and
 resends to the owner, pausing while that shard's topology lags, within the call's timeout.
 
+*Notices.* An append to a shard of protocol 1.8 asks for its reply's ``notice``: the namespace needs a
+calibration (it requires one, has none or only a quarantined one, and raw fallback is off). ``append`` still
+returns the length; the client keeps each namespace's latest notice in :attr:`Client.notices` (a reply without
+one clears it) and warns (:class:`~kvd.errors.KvdWarning`) the first time a namespace has one.
+
 *Incarnations.* A shard's ``hello`` tells its incarnation (protocol 1.3), and every append names the
 incarnation the sequence was last appended on by this client (the most recent 65,536 sequences) or else the
 connection's. A shard that restarted, even on its old port, refuses it; an append without ``offset`` then
@@ -123,6 +128,7 @@ class Pending:
                 self._outcome = (True, _value(self._req, reply))
                 if type(self._req) is p.AppendRequest:
                     self._client._remember(self._req, self._conn)
+                    self._client._note(self._req, reply)
             except KvdError as exc:
                 self._outcome = (False, exc)
         ok, value = self._outcome
@@ -259,16 +265,20 @@ class Client(_Core):
         """Register a layout on every shard (Store.register). Raises LayoutMismatch, ShardUnavailable, ..."""
         self._drive(self._plan_register(namespace, (num_layers, num_kv_heads, head_dim), timeout_s))
 
-    def calibrate(self, namespace: str, calibration: Any, *, timeout_s: float | None = None) -> dict[str, Any]:
+    def calibrate(self, namespace: str, calibration: Any = None, *, require: bool | None = None,
+                  timeout_s: float | None = None) -> dict[str, Any]:
         """Give ``namespace`` (registered) a calibration (a :class:`kvd.calibration.Calibration` or its
         ``to_dict()``) on every shard (protocol 1.7, docs/protocol.md §6.13); in a cluster the coordinator keeps
         it with the namespace and hands it to every shard, a restarted or later one too. Pages sealed from then
-        on follow it. Returns the state: ``{"state": "active" | "quarantined" | ..., "reason", "digest",
-        "model", "levels": {level: {"budget", "mean", "worst", "bits", "met", "off", "protected"}}}``; a
-        calibration measured on another layout is quarantined (kept, never applied). Raises InvalidArgument
-        for a malformed record, UnknownNamespace, and ProtocolError when a shard is older than 1.7 (nothing is
-        sent then)."""
-        return self._drive(self._plan_calibrate(namespace, calibration, timeout_s))
+        on follow it. ``require`` (protocol 1.8; None: unchanged): the namespace's own
+        ``require_calibration``, kept by the coordinator with the calibration; with ``calibration`` None only
+        that is set and the namespace keeps its calibration. Returns the state: ``{"state": "active" |
+        "quarantined" | "missing" | "needed" | ..., "reason", "digest", "model", "levels": {level: {"budget",
+        "mean", "worst", "bits", "met", "off", "protected"}}}``, with ``"required"`` when ``require`` was
+        given; a calibration measured on another layout is quarantined (kept, never applied). Raises
+        InvalidArgument for a malformed record or neither argument, UnknownNamespace, and ProtocolError when a
+        shard is older than 1.7 (1.8 with ``require``; nothing is sent then)."""
+        return self._drive(self._plan_calibrate(namespace, calibration, require, timeout_s))
 
     def append(self, namespace: str, seq_id: p.SeqId, keys: Any, values: Any, *, offset: int | None = None,
                dtype: str | None = None, position: int | None = None, parent: p.SeqId | None = None,
@@ -293,6 +303,7 @@ class Client(_Core):
                                 keys.nbytes or 1)
             if first is not None and type(first.outcome) is p.AppendReply:
                 self._remember(first.req, first.conn)
+                self._note(first.req, first.outcome)
                 return first.outcome.length
         return self._drive(
             self._plan_append(namespace, seq_id, keys, values, offset, dtype, timeout_s, position, first, parent))

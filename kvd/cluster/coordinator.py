@@ -23,11 +23,12 @@ only (with the version it applies on), and namespaces are persisted in parts of 
 of their own (``.../namespaces/<i>``), of which an addition rewrites only the last. ``cluster.max_namespaces``
 bounds how many there are.
 
-Calibrations live with their namespaces: a shard serving ``calibrate`` hands the record to the coordinator first
-(:meth:`Coordinator.add_calibration`), which keeps it (the latest per namespace), persists it under a key of
-its own (``.../calibrations/<namespace in hex>``: a calibration is a few KB, and setting one rewrites only its
-own key) and pushes it to every shard before answering; shards get every calibration with their registration
-and what they lack with their reports (``calibrations_version``), as namespaces.
+Calibrations live with their namespaces: a shard serving ``calibrate`` hands the record (and the namespace's
+own ``require_calibration``, protocol 1.8) to the coordinator first (:meth:`Coordinator.add_calibration`), which
+keeps them (the latest per namespace), persists them under a key of the namespace's own
+(``.../calibrations/<namespace in hex>``: a calibration is a few KB, and setting one rewrites only its own key)
+and pushes them to every shard before answering; shards get every calibration with their registration and what
+they lack with their reports (``calibrations_version``), as namespaces.
 
 Clients get the topology only once it is complete and persisted: a fresh cluster answers ``Busy`` (retry)
 until every expected shard registered; every published topology was saved first, so a restarted coordinator
@@ -103,8 +104,9 @@ class RayKV:
         """The store of ``namespace``'s calibration, under a key of its own."""
         return RayKV(f"{self._key}/calibrations/{namespace.encode().hex()}")
 
-    def calibrations(self) -> dict[str, Any]:
-        """Every calibration saved: ``{namespace: record}`` ({} when none, or the GCS did not answer)."""
+    def calibrations(self) -> dict[str, dict[str, Any]]:
+        """Every namespace's calibration entry saved: ``{namespace: {"calibration": record or None, "require":
+        bool or None}}`` ({} when none, or the GCS did not answer)."""
         from ray.experimental import internal_kv
 
         prefix = f"{self._key}/calibrations/"
@@ -113,11 +115,13 @@ class RayKV:
         except Exception as exc:  # noqa: BLE001 - as load(): start without them; shards hand theirs over
             log.warning("cannot list calibrations under %s: %s", prefix, exc)
             return {}
-        out: dict[str, Any] = {}
+        out: dict[str, dict[str, Any]] = {}
         for key in keys:
             item = RayKV(key.decode() if isinstance(key, bytes) else str(key)).load()
-            if isinstance(item.get("namespace"), str) and isinstance(item.get("calibration"), dict):
-                out[item["namespace"]] = item["calibration"]
+            record, require = item.get("calibration"), item.get("require")
+            if isinstance(item.get("namespace"), str) and (isinstance(record, dict) or isinstance(require, bool)):
+                out[item["namespace"]] = {"calibration": record if isinstance(record, dict) else None,
+                                          "require": require if isinstance(require, bool) else None}
         return out
 
     def load(self) -> dict[str, Any]:
@@ -187,6 +191,7 @@ class Coordinator:
         state = self._kv.load()
         recovered_epoch = int(state.get("epoch", 0) or 0)
         recovered_level = state.get("level")
+        recovered_calibrations, recovered_required = self._load_calibrations() if state else ({}, {})
         self._restarted = bool(state)
         self._membership = Membership(
             Policy(config.policy_config()),
@@ -200,13 +205,14 @@ class Coordinator:
             recovered_shards=_list_of_maps(state.get("shards")),
             recovered_namespaces=self._load_namespaces(state),
             recovered_namespaces_version=int(state.get("namespaces_version", 0) or 0),
-            recovered_calibrations=self._load_calibrations() if state else None,
+            recovered_calibrations=recovered_calibrations,
             recovered_calibrations_version=int(state.get("calibrations_version", 0) or 0),
+            recovered_required=recovered_required,
             max_namespaces=self._cluster.max_namespaces,
         )
         self._namespaces_saved = self._membership.namespace_count  # persisted: every part up to this many
-        # the digest of each namespace's calibration as persisted
-        self._calibrations_saved = {k: r.get("digest") for k, r in self._membership.calibrations().items()}
+        # (the digest of its calibration, its own require_calibration) of each namespace as persisted
+        self._calibrations_saved = self._calibration_entries()
         self._handles: dict[str, Any] = {}
         self._handles_lock = threading.Lock()
         self._persist_lock = threading.Lock()
@@ -263,16 +269,18 @@ class Coordinator:
 
     def register(self, shard_id: str, endpoint: str, incarnation: str, node: str = "", topology_epoch: int = 0,
                  namespaces: dict[str, Any] | None = None,
-                 calibrations: dict[str, Any] | None = None) -> dict[str, Any]:
+                 calibrations: dict[str, Any] | None = None,
+                 required: dict[str, bool] | None = None) -> dict[str, Any]:
         """A shard (re)started: returns ``{"level": tag, "epoch": int, "topology_epoch": int}`` to apply, plus
-        every namespace (``namespaces``, ``namespaces_version``), every calibration (``calibrations``,
-        ``calibrations_version``) and, once published, the ``routing``. ``topology_epoch`` / ``namespaces`` /
-        ``calibrations``: what the shard had (kept from before a coordinator restart, or on its disk)."""
+        every namespace (``namespaces``, ``namespaces_version``), every calibration and namespace's own
+        ``require_calibration`` (``calibrations``, ``required``, ``calibrations_version``) and, once published,
+        the ``routing``. ``topology_epoch`` / ``namespaces`` / ``calibrations`` / ``required``: what the shard
+        had (kept from before a coordinator restart, or on its disk)."""
         before = self._membership.topology_epoch
         calibrations_before = self._membership.calibrations_version
         reg = self._membership.register(shard_id, endpoint, incarnation=incarnation, node=node, now=self._clock(),
                                         topology_epoch=topology_epoch, namespaces=namespaces,
-                                        calibrations=calibrations)
+                                        calibrations=calibrations, required=required)
         self._persist()
         if (self._membership.topology_epoch != before or namespaces
                 or self._membership.calibrations_version != calibrations_before):
@@ -290,14 +298,17 @@ class Coordinator:
                                   f"namespace {namespace} registered with layout {list(layout)}",
                                   namespaces_from=before)  # what was added since `before` only
 
-    def add_calibration(self, namespace: str, record: dict[str, Any]) -> dict[str, Any]:
-        """A shard serves ``calibrate`` (``record``: a checked ``Calibration.to_dict()``): keep it with the
-        namespace. ``{"ok": True}`` once it is persisted and pushed to every shard (or the push timed out: a
-        shard that missed it gets it with its next report); ``{"ok": False, "code", "error", "message"}`` for a
-        namespace the cluster does not know."""
+    def add_calibration(self, namespace: str, record: dict[str, Any] | None = None,
+                        require: bool | None = None) -> dict[str, Any]:
+        """A shard serves ``calibrate`` (``record``: a checked ``Calibration.to_dict()``; ``require``: the
+        namespace's own ``require_calibration``; None: unchanged): keep them with the namespace. ``{"ok": True}``
+        once they are persisted and pushed to every shard (or the push timed out: a shard that missed them gets
+        them with its next report); ``{"ok": False, "code", "error", "message"}`` for a namespace the cluster
+        does not know."""
         before = self._membership.calibrations_version
-        return self._cluster_wide(lambda: self._membership.set_calibration(namespace, record),
-                                  f"namespace {namespace} calibrated ({str(record.get('digest'))[:16]})",
+        done = f"namespace {namespace}" + (f" calibrated ({str(record.get('digest'))[:16]})" if record else "") \
+            + (f" require_calibration {require}" if require is not None else "")
+        return self._cluster_wide(lambda: self._membership.set_calibration(namespace, record, require), done,
                                   namespaces_from=self._membership.namespaces_version, calibrations_from=before)
 
     def _cluster_wide(self, change: Callable[[], bool], done: str, **since: int) -> dict[str, Any]:
@@ -317,6 +328,10 @@ class Coordinator:
     def calibrations(self) -> dict[str, dict[str, Any]]:
         """Every namespace's calibration record, as the coordinator keeps it."""
         return self._membership.calibrations()
+
+    def required(self) -> dict[str, bool]:
+        """Every namespace's own ``require_calibration``, where it has one, as the coordinator keeps it."""
+        return self._membership.required()
 
     def report(self, report: dict[str, Any]) -> dict[str, Any]:
         """One shard report (the fields of :class:`ShardReport`). Returns ``{"known": bool, "level", "epoch"}``;
@@ -426,31 +441,48 @@ class Coordinator:
         self._namespaces_saved = count
         return True
 
-    def _load_calibrations(self) -> dict[str, Any]:
-        """The persisted calibrations whose record still reads as one (a damaged one is left out, logged)."""
+    def _load_calibrations(self) -> tuple[dict[str, Any], dict[str, bool]]:
+        """The persisted calibrations whose record still reads as one (a damaged one is left out, logged), and
+        the namespaces' own ``require_calibration``."""
         from kvd.calibration import from_dict
 
-        out = {}
-        for name, record in self._kv.calibrations().items():
+        records, required = {}, {}
+        for name, item in self._kv.calibrations().items():
+            if item["require"] is not None:
+                required[name] = item["require"]
+            record = item["calibration"]
+            if record is None:
+                continue
             try:
                 from_dict(record)
             except KvdError as exc:
                 log.warning("coordinator state: calibration of namespace %s is unreadable (%s); left out", name,
                             exc)
                 continue
-            out[name] = record
-        return out
+            records[name] = record
+        return records, required
+
+    def _calibration_entries(self, records: dict[str, Any] | None = None,
+                             required: dict[str, bool] | None = None) -> dict[str, tuple[Any, bool | None]]:
+        """``{namespace: (its calibration's digest or None, its own require_calibration or None)}`` of
+        ``records`` and ``required`` (None: membership's)."""
+        records = self._membership.calibrations() if records is None else records
+        required = self._membership.required() if required is None else required
+        return {name: (records[name].get("digest") if name in records else None, required.get(name))
+                for name in {*records, *required}}
 
     def _save_calibrations(self) -> bool:
-        """(Under the persist lock) save each calibration set since the last save, under its own key. False if
-        a save failed (retried with the next)."""
-        for name, record in self._membership.calibrations().items():
-            digest = record.get("digest")
-            if self._calibrations_saved.get(name) == digest:
+        """(Under the persist lock) save each namespace's calibration entry (its record and its own
+        ``require_calibration``) changed since the last save, under its own key. False if a save failed
+        (retried with the next)."""
+        records, required = self._membership.calibrations(), self._membership.required()
+        for name, entry in self._calibration_entries(records, required).items():
+            if self._calibrations_saved.get(name) == entry:
                 continue
-            if not self._kv.calibration(name).save({"namespace": name, "calibration": record}):
+            if not self._kv.calibration(name).save({"namespace": name, "calibration": records.get(name),
+                                                    "require": required.get(name)}):
                 return False
-            self._calibrations_saved[name] = digest
+            self._calibrations_saved[name] = entry
         return True
 
     def _client_topology(self) -> dict[str, Any]:

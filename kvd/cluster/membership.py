@@ -48,11 +48,12 @@ however many namespaces exist, and ``max_namespaces`` bounds how many there are 
 it: every namespace costs memory in the coordinator, in every shard and in Ray's state).
 
 Calibrations. A namespace's calibration (kvd.calibration) lives with the namespace: the coordinator keeps the
-latest record of each (:meth:`Membership.set_calibration`; a record whose digest it already has changes
-nothing) and hands it to every shard the way it hands namespaces, counted by ``calibrations_version``: a shard
-behind is sent the calibrations set after its version (``calibrations_from``), or all of them when this
-coordinator cannot tell. A shard that registers hands over the calibrations it holds (from its disk tier)
-where the cluster has none for that namespace.
+latest record of each and the namespace's own ``require_calibration``, if set (:meth:`Membership.set_calibration`;
+a record whose digest it already has, or the setting it has, changes nothing) and hands them to every shard the
+way it hands namespaces, counted by ``calibrations_version``: a shard behind is sent the calibrations set after
+its version (``calibrations_from``), or all of them when this coordinator cannot tell. A shard that registers
+hands over the calibrations and settings it holds (from its disk tier) where the cluster has none for that
+namespace.
 
 Restarts. A coordinator restarted with ``recovered_epoch`` / ``recovered_level`` (from persistent storage)
 continues from there; a report carrying a newer epoch than the coordinator knows raises the floor, so no epoch
@@ -230,6 +231,7 @@ class Membership:
         recovered_namespaces_version: int = 0,
         recovered_calibrations: dict[str, Any] | None = None,
         recovered_calibrations_version: int = 0,
+        recovered_required: dict[str, bool] | None = None,
         ready_grace_s: float | None = None,
         max_namespaces: int | None = None,
     ) -> None:
@@ -265,7 +267,7 @@ class Membership:
         self._registry = NamespaceRegistry(
             namespaces=recovered_namespaces, namespaces_version=recovered_namespaces_version,
             calibrations=recovered_calibrations, calibrations_version=recovered_calibrations_version,
-            max_namespaces=max_namespaces)
+            required=recovered_required, max_namespaces=max_namespaces)
         if recovered_epoch > 0 and recovered_level is not None:
             self._level = Level.parse(recovered_level)
             self._epoch = int(recovered_epoch)
@@ -326,6 +328,7 @@ class Membership:
         topology_epoch: int = 0,
         namespaces: dict[str, Any] | None = None,
         calibrations: dict[str, Any] | None = None,
+        required: dict[str, bool] | None = None,
     ) -> Registration:
         """A shard (re)started and serves ``endpoint``. Returns the level and epoch it must apply now.
 
@@ -333,7 +336,8 @@ class Membership:
         known id counts a restart and forgets the old process's figures (it came back empty).
         ``topology_epoch``: the newest the shard was handed (this epoch goes past it); ``namespaces``: the
         shard's own (``{name: (layers, kv_heads, head_dim)}``), added where the cluster has none of that name;
-        ``calibrations``: the shard's own (``{name: record}``), likewise.
+        ``calibrations``: the shard's own (``{name: record}``), likewise; ``required``: the shard's namespaces'
+        own ``require_calibration`` (``{name: bool}``), likewise.
         """
         if not shard_id or not isinstance(shard_id, str):
             raise InvalidArgument(f"shard_id must be a non-empty str, got {shard_id!r}")
@@ -341,7 +345,7 @@ class Membership:
             raise InvalidArgument(f"endpoint must be a non-empty str, got {endpoint!r}")
         with self._lock:
             self._raise_topology_floor(topology_epoch)
-            self._registry.adopt(namespaces or {}, calibrations or {})
+            self._registry.adopt(namespaces or {}, calibrations or {}, required)
             old = self._shards.get(shard_id)
             if old is None:
                 self._shards[shard_id] = ShardState(
@@ -427,11 +431,11 @@ class Membership:
         with self._lock:
             return self._registry.add(namespace, layout)
 
-    def set_calibration(self, namespace: str, record: dict[str, Any]) -> bool:
-        """Keep ``record`` as ``namespace``'s calibration (:meth:`NamespaceRegistry.set_calibration`): True if
-        it changed."""
+    def set_calibration(self, namespace: str, record: dict[str, Any] | None, require: bool | None = None) -> bool:
+        """Keep ``record`` as ``namespace``'s calibration and ``require`` as its own ``require_calibration``
+        (:meth:`NamespaceRegistry.set_calibration`; None: unchanged): True if either changed."""
         with self._lock:
-            return self._registry.set_calibration(namespace, record)
+            return self._registry.set_calibration(namespace, record, require)
 
     @property
     def calibrations_version(self) -> int:
@@ -442,6 +446,11 @@ class Membership:
         """``{namespace: calibration record}`` of every calibrated namespace."""
         with self._lock:
             return self._registry.calibrations()
+
+    def required(self) -> dict[str, bool]:
+        """``{namespace: require_calibration}`` of every namespace with a setting of its own."""
+        with self._lock:
+            return self._registry.required()
 
     # ------------------------------------------------------------------------------------------ queries
 
@@ -483,7 +492,8 @@ class Membership:
         each only when it differs; ``namespaces_version`` always. ``namespaces`` holds the ones added after the
         shard's version, with ``namespaces_from`` (that version) when this coordinator added all of them; every
         namespace, without ``namespaces_from``, when it cannot tell which the shard lacks. ``calibrations``
-        (``{name: record}``) likewise for a shard at ``calibrations_version``, with ``calibrations_from``."""
+        (``{name: record}``) and ``required`` (``{name: bool}``) likewise for a shard at ``calibrations_version``,
+        with ``calibrations_from``."""
         with self._lock:
             out: dict[str, Any] = {"namespaces_version": self._registry.version,
                                    "calibrations_version": self._registry.calibrations_version}

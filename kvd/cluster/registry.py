@@ -2,9 +2,11 @@
 :class:`~kvd.cluster.membership.Membership` calls it under its lock).
 
 A namespace is registered once per cluster (the first layout wins) and never removed; a calibration is the
-latest record of a namespace (kvd.calibration). Both are counted by a version that grows with every addition or
-change, so what a shard lacks is what came after its version (:meth:`NamespaceRegistry.sync`); a shard whose
-version this registry cannot place (from before a coordinator restart that lost the state) is sent everything.
+latest record of a namespace (kvd.calibration), and a namespace may have its own ``require_calibration`` (kept
+and versioned with the calibrations: both are the namespace's calibration policy). Namespaces and calibrations
+are each counted by a version that grows with every addition or change, so what a shard lacks is what came
+after its version (:meth:`NamespaceRegistry.sync`); a shard whose version this registry cannot place (from
+before a coordinator restart that lost the state) is sent everything.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ __all__ = ["NamespaceRegistry"]
 
 
 class NamespaceRegistry:
-    """Namespaces (``{name: (layers, kv_heads, head_dim)}``) and calibration records, versioned. ``namespaces`` /
-    ``calibrations`` and their versions: what a previous coordinator persisted; ``max_namespaces`` bounds how many
-    there may be (None: no bound)."""
+    """Namespaces (``{name: (layers, kv_heads, head_dim)}``), calibration records and each namespace's own
+    ``require_calibration`` (``required``), versioned. ``namespaces`` / ``calibrations`` / ``required`` and their
+    versions: what a previous coordinator persisted; ``max_namespaces`` bounds how many namespaces there may be
+    (None: no bound)."""
 
     def __init__(self, *, namespaces: dict[str, Any] | None = None, namespaces_version: int = 0,
                  calibrations: dict[str, Any] | None = None, calibrations_version: int = 0,
-                 max_namespaces: int | None = None) -> None:
+                 required: dict[str, bool] | None = None, max_namespaces: int | None = None) -> None:
         self._layouts: dict[str, tuple[int, int, int]] = {}
         for name, layout in (namespaces or {}).items():
             self._layouts[str(name)] = layout_of(name, layout)
@@ -36,9 +39,11 @@ class NamespaceRegistry:
         # calibration records by namespace (Calibration.to_dict()) and the version each was set at; recovered
         # ones at the recovered version, so a shard at that version or later is not sent them again
         self._calibrations: dict[str, dict[str, Any]] = dict(calibrations or {})
-        self.calibrations_version = max(int(calibrations_version), len(self._calibrations))
+        self._required: dict[str, bool] = {str(k): bool(v) for k, v in (required or {}).items()}
+        named = {*self._calibrations, *self._required}
+        self.calibrations_version = max(int(calibrations_version), len(named))
         self._cal_base = self.calibrations_version
-        self._cal_set: dict[str, int] = dict.fromkeys(self._calibrations, self._cal_base)
+        self._cal_set: dict[str, int] = dict.fromkeys(named, self._cal_base)
 
     def __len__(self) -> int:
         return len(self._order)
@@ -70,34 +75,52 @@ class NamespaceRegistry:
         self._add(namespace, new)
         return True
 
-    def adopt(self, namespaces: dict[str, Any], calibrations: dict[str, Any]) -> None:
-        """What a registering shard holds: each namespace and calibration added where the cluster has none of
-        that name (no limit: the shard already serves them)."""
+    def adopt(self, namespaces: dict[str, Any], calibrations: dict[str, Any],
+              required: dict[str, Any] | None = None) -> None:
+        """What a registering shard holds: each namespace, calibration and own ``require_calibration`` added
+        where the cluster has none of that name (no limit: the shard already serves them)."""
         for name, layout in namespaces.items():
             if name not in self._layouts:
                 self._add(str(name), layout_of(name, layout))
         for name, record in calibrations.items():
             if name in self._layouts and name not in self._calibrations:
-                self._set_calibration(str(name), record)
+                self._set_calibration(str(name), record, None)
+        for name, require in (required or {}).items():
+            if name in self._layouts and name not in self._required and isinstance(require, bool):
+                self._set_calibration(str(name), None, require)
 
-    def set_calibration(self, namespace: str, record: dict[str, Any]) -> bool:
-        """Keep ``record`` (a checked :meth:`kvd.calibration.Calibration.to_dict`) as ``namespace``'s
-        calibration. True if it changed; False if the namespace has a calibration of the same digest.
-        :class:`UnknownNamespace` for a namespace the cluster does not know."""
-        if not isinstance(record, dict) or not isinstance(record.get("digest"), str):
+    def set_calibration(self, namespace: str, record: dict[str, Any] | None, require: bool | None = None) -> bool:
+        """Keep ``record`` (a checked :meth:`kvd.calibration.Calibration.to_dict`; None: the namespace keeps its
+        own) as ``namespace``'s calibration and ``require`` (None: unchanged) as its own
+        ``require_calibration``. True if either changed; False if the namespace has a calibration of the same
+        digest and that setting already. :class:`UnknownNamespace` for a namespace the cluster does not know,
+        :class:`InvalidArgument` for neither."""
+        if record is not None and (not isinstance(record, dict) or not isinstance(record.get("digest"), str)):
             raise InvalidArgument(f"a calibration record must be a map with a digest, got {type(record).__name__}")
+        if require is not None and not isinstance(require, bool):
+            raise InvalidArgument(f"require must be a bool or None, got {require!r}")
+        if record is None and require is None:
+            raise InvalidArgument("a calibration needs a record, require, or both: it has neither")
         if namespace not in self._layouts:
             raise UnknownNamespace(f"namespace {namespace!r} is not registered in this cluster: register it "
                                    "before giving it a calibration")
         old = self._calibrations.get(namespace)
-        if old is not None and old.get("digest") == record["digest"]:
+        if record is not None and old is not None and old.get("digest") == record["digest"]:
+            record = None  # held already
+        if require is not None and self._required.get(namespace) is require:
+            require = None
+        if record is None and require is None:
             return False
-        self._set_calibration(namespace, record)
+        self._set_calibration(namespace, record, require)
         return True
 
     def calibrations(self) -> dict[str, dict[str, Any]]:
         """``{namespace: calibration record}`` of every calibrated namespace."""
         return dict(self._calibrations)
+
+    def required(self) -> dict[str, bool]:
+        """``{namespace: require_calibration}`` of every namespace with a setting of its own."""
+        return dict(self._required)
 
     def part(self, index: int, size: int) -> dict[str, list[int]]:
         """Namespaces ``index * size`` to ``(index + 1) * size - 1`` in the order added: ``{name: [L, H, D]}``."""
@@ -108,8 +131,9 @@ class NamespaceRegistry:
 
     def sync(self, namespaces_version: int, calibrations_version: int) -> dict[str, Any]:
         """What a shard at these versions lacks: ``namespaces`` (``{name: [L, H, D]}``, with ``namespaces_from``
-        when they are the ones added after its version) and ``calibrations`` (``{name: record}``, likewise with
-        ``calibrations_from``), each only when the shard's version differs."""
+        when they are the ones added after its version) and ``calibrations`` (``{name: record}``) with
+        ``required`` (``{name: bool}``), likewise with ``calibrations_from``, each only when the shard's version
+        differs."""
         out: dict[str, Any] = {}
         if namespaces_version != self.version:
             if self._base <= namespaces_version < self.version:
@@ -122,9 +146,11 @@ class NamespaceRegistry:
         if have != self.calibrations_version:
             if self._cal_base <= have < self.calibrations_version:
                 out["calibrations"] = {k: r for k, r in self._calibrations.items() if self._cal_set[k] > have}
+                out["required"] = {k: r for k, r in self._required.items() if self._cal_set[k] > have}
                 out["calibrations_from"] = have
             else:
                 out["calibrations"] = dict(self._calibrations)
+                out["required"] = dict(self._required)
         return out
 
     def _add(self, name: str, layout: tuple[int, int, int]) -> None:
@@ -132,9 +158,12 @@ class NamespaceRegistry:
         self._order.append(name)
         self.version += 1
 
-    def _set_calibration(self, name: str, record: dict[str, Any]) -> None:
+    def _set_calibration(self, name: str, record: dict[str, Any] | None, require: bool | None) -> None:
         self.calibrations_version += 1
-        self._calibrations[name] = record
+        if record is not None:
+            self._calibrations[name] = record
+        if require is not None:
+            self._required[name] = require
         self._cal_set[name] = self.calibrations_version
 
 

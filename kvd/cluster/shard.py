@@ -24,9 +24,10 @@ namespace before it is published, and refuses sequences another shard owns (Wron
 served by this shard is made cluster-wide first (``Coordinator.add_namespace``, which pushes it to every
 shard); if the coordinator cannot be reached the namespace is registered here and handed over with the next
 registration or report. Reports carry the epoch and namespaces version the shard has, and their replies
-whatever it lacks; the coordinator also pushes changes (:meth:`Shard.sync`). Calibrations travel the same way:
-``calibrate`` served here is handed to the coordinator first (``Coordinator.add_calibration``), the
-registration reply hands over every calibration of the cluster, and reports carry ``calibrations_version``.
+whatever it lacks; the coordinator also pushes changes (:meth:`Shard.sync`). Calibrations, and a namespace's
+own ``require_calibration``, travel the same way: ``calibrate`` served here is handed to the coordinator first
+(``Coordinator.add_calibration``), the registration reply hands over every calibration and setting of the
+cluster, and reports carry ``calibrations_version``.
 
 Data never passes through this actor's Ray methods: clients talk to the ShardServer directly.
 """
@@ -144,7 +145,8 @@ class Shard:
         # registered here, not yet known to the coordinator: at first, those of the sequences its disk holds
         self._pending: dict[str, tuple[int, int, int]] = self._store.layouts()
         self._namespaces_version = 0
-        self._pending_cals: dict[str, dict[str, Any]] = {}  # calibrated here, not yet kept by the coordinator
+        # calibrated here, not yet kept by the coordinator: (record or None, require or None) by namespace
+        self._pending_cals: dict[str, tuple[dict[str, Any] | None, bool | None]] = {}
         self._calibrations_version = 0
         self._stopped = threading.Event()
         self._registered = threading.Event()
@@ -238,6 +240,9 @@ class Shard:
         if isinstance(calibrations, dict):
             for name, record in calibrations.items():
                 self._learn_calibration(name, record)
+            required = state.get("required")
+            for name, require in (required if isinstance(required, dict) else {}).items():
+                self._learn_required(name, require)
             version = state.get("calibrations_version")
             base = state.get("calibrations_from")
             with self._namespaces_lock:
@@ -269,18 +274,30 @@ class Shard:
             log.error("shard %s cannot take the calibration of namespace %s from the coordinator: %s",
                       self._shard_id, name, exc)
 
-    def _calibrate_namespace(self, namespace: str, calibration: Any) -> None:
-        """The server's ``calibrate`` hook (serving thread): make it cluster-wide before it is applied here.
-        If the coordinator does not answer within ``_ADD_NAMESPACE_S``, applies it here only and hands it over
-        later (the reporter)."""
+    def _learn_required(self, name: str, require: Any) -> None:
+        if not isinstance(require, bool) or self._store.calibration_required().get(name) is require:
+            return  # held already: its file is not rewritten
+        try:
+            self._store.require_calibration_of(name, require)
+        except KvdError as exc:
+            log.error("shard %s cannot take require_calibration of namespace %s from the coordinator: %s",
+                      self._shard_id, name, exc)
 
-        record = calibration.to_dict()
-        if not self._hand_to_coordinator("add_calibration", namespace, record, what="calibration"):
+    def _calibrate_namespace(self, namespace: str, calibration: Any, require: bool | None = None) -> None:
+        """The server's ``calibrate`` hook (serving thread): make the calibration (or None) and the namespace's
+        own ``require_calibration`` (or None) cluster-wide before they are applied here. If the coordinator does
+        not answer within ``_ADD_NAMESPACE_S``, applies them here only and hands them over later (the
+        reporter)."""
+
+        record = calibration.to_dict() if calibration is not None else None
+        if not self._hand_to_coordinator("add_calibration", namespace, record, require, what="calibration"):
             with self._namespaces_lock:
-                self._pending_cals[namespace] = record
+                old_record, old_require = self._pending_cals.get(namespace, (None, None))
+                self._pending_cals[namespace] = (record if record is not None else old_record,
+                                                 require if require is not None else old_require)
 
-    def _hand_to_coordinator(self, method: str, namespace: str, arg: Any, *, what: str) -> bool:
-        """Call the coordinator's ``method(namespace, arg)`` (``add_namespace``, ``add_calibration``) within
+    def _hand_to_coordinator(self, method: str, namespace: str, *args: Any, what: str) -> bool:
+        """Call the coordinator's ``method(namespace, *args)`` (``add_namespace``, ``add_calibration``) within
         ``_ADD_NAMESPACE_S``: True once it took it, False when it is away (the caller keeps it for the reporter
         to hand over); raises the error it refused it with."""
         import ray
@@ -289,7 +306,7 @@ class Shard:
         if coordinator is None or not self._registered.is_set():
             return False
         try:
-            reply = ray.get(getattr(coordinator, method).remote(namespace, arg),
+            reply = ray.get(getattr(coordinator, method).remote(namespace, *args),
                             timeout=min(_ADD_NAMESPACE_S, self._config.cluster.ray_timeout_s))
         except Exception as exc:  # noqa: BLE001 - the coordinator is away: keep it for later
             log.warning("shard %s: %s of %s not handed to the coordinator yet: %s", self._shard_id, what,
@@ -331,13 +348,13 @@ class Shard:
                 self._pending.pop(name, None)
         with self._namespaces_lock:
             cals = dict(self._pending_cals)
-        for name, record in cals.items():
-            reply = ray.get(self._coordinator.add_calibration.remote(name, record), timeout=timeout_s)
+        for name, entry in cals.items():
+            reply = ray.get(self._coordinator.add_calibration.remote(name, *entry), timeout=timeout_s)
             if not reply.get("ok"):
                 log.error("shard %s: calibration of %s made here was refused by the coordinator: %s",
                           self._shard_id, name, reply.get("message"))
             with self._namespaces_lock:
-                if self._pending_cals.get(name) is record:
+                if self._pending_cals.get(name) is entry:
                     del self._pending_cals[name]
 
     def _report_loop(self) -> None:
@@ -357,10 +374,11 @@ class Shard:
                     with self._namespaces_lock:
                         mine = {k: list(v) for k, v in {**self._namespaces, **self._pending}.items()}
                     cals = self._store.calibration_records()  # from its disk tier: where the cluster has none
+                    required = self._store.calibration_required()  # likewise
                     reply = ray.get(
                         self._coordinator.register.remote(
                             self._shard_id, self._endpoint, self._incarnation, self._node,
-                            self._server.topology_epoch, mine, cals,
+                            self._server.topology_epoch, mine, cals, required,
                         ),
                         timeout=timeout_s,
                     )

@@ -219,9 +219,12 @@ class Calibrating:
         directory = self._cal_dir
         if directory is None:
             return
-        cal = self._cals.get(namespace)
+        cal, require = self._cals.get(namespace), self._cal_required.get(namespace)
+        if cal is None and require is None:  # nothing of its own left
+            files.remove(_cal_file(directory, namespace))
+            return
         body = msgpack.packb({"namespace": namespace, "calibration": cal.to_dict() if cal is not None else None,
-                              "require": self._cal_required.get(namespace)}, use_bin_type=True)
+                              "require": require}, use_bin_type=True)
         files.write_file(_cal_file(directory, namespace), [body])
 
     def calibrate(self, namespace: str, calibration: Calibration | dict[str, Any] | None, *,
@@ -242,18 +245,34 @@ class Calibrating:
                 self._cals.pop(namespace, None)
             else:
                 self._cals[namespace] = cal
-            if require is not None:
-                self._cal_required[namespace] = bool(require)
-            self._save_calibration(namespace)
-            ns = self._ns.get(namespace)
-            if ns is not None:
-                ns.protect(self._protection(ns))
-            return self.calibration_state(namespace)
+            return self._apply_calibration(namespace, require)
+
+    def require_calibration_of(self, namespace: str, require: bool | None) -> dict[str, Any]:
+        """Set ``namespace``'s own ``require_calibration`` (None: the store's setting applies again), keeping
+        its calibration, if any. Returns :meth:`calibration_state`."""
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidArgument(f"namespace must be a non-empty str, got {namespace!r}")
+        with self._lock:
+            if require is None:
+                self._cal_required.pop(namespace, None)
+            return self._apply_calibration(namespace, require)
+
+    def _apply_calibration(self, namespace: str, require: bool | None) -> dict[str, Any]:
+        """(Under the lock) ``require`` (if not None) as the namespace's own setting, then the namespace's
+        calibration state saved (disk tier) and put in force for the pages sealed after it."""
+        if require is not None:
+            self._cal_required[namespace] = bool(require)
+        self._save_calibration(namespace)
+        ns = self._ns.get(namespace)
+        if ns is not None:
+            ns.protect(self._protection(ns))
+        return self.calibration_state(namespace)
 
     def calibration_state(self, namespace: str) -> dict[str, Any]:
         """``{"state": none | active | quarantined | missing | needed, "reason", and with a calibration its
         "digest", "model" and per level "budget", "mean", "worst", "bits", "met", "off", "protected"}``;
-        ``registered`` says whether the namespace is (a calibration waits for it otherwise)."""
+        ``registered`` says whether the namespace is (a calibration waits for it otherwise), ``required``
+        whether it requires a calibration (its own setting, else the store's)."""
         with self._lock:
             ns = self._ns.get(namespace)
             prot = ns.prot if ns is not None else None
@@ -267,6 +286,7 @@ class Calibrating:
             else:
                 out = prot.describe()
             out["registered"] = ns is not None
+            out["required"] = self._cal_required.get(namespace, self.require_calibration)
             return out
 
     def calibrations(self) -> dict[str, dict[str, Any]]:
@@ -281,27 +301,43 @@ class Calibrating:
         with self._lock:
             return {n: c.to_dict() for n, c in self._cals.items()}
 
+    def calibration_required(self) -> dict[str, bool]:
+        """Every namespace's own ``require_calibration`` (:meth:`require_calibration_of`): what a shard hands
+        its coordinator with the calibrations."""
+        with self._lock:
+            return dict(self._cal_required)
+
     def needs_calibration(self, namespace: str) -> bool:
         """Whether appends to ``namespace`` should report "needs calibration"."""
+        return self.calibration_notice(namespace) is not None
+
+    def calibration_notice(self, namespace: str) -> str | None:
+        """Why appends to ``namespace`` should report "needs calibration" (its calibration state's reason), or
+        None when they should not. Lock-free: an append reply asks it (one dict lookup)."""
         ns = self._ns.get(namespace)
-        return ns is not None and ns.prot is not None and ns.prot.needs
+        prot = ns.prot if ns is not None else None
+        return prot.reason if prot is not None and prot.needs else None
 
     def _calibration_stats(self) -> dict[str, Any]:
         """The counters, and by namespace (those with a calibration or a requirement first, then by name, at
         most ``STATS_NAMESPACES``; ``calibration_unlisted`` counts the rest): ``calibration_states`` (none,
         active, quarantined, missing, needed, pending), ``calibration_budgets`` (what each level's protection
-        achieves on the sample against its budget) and ``calibration_reasons`` (why, where not active)."""
+        achieves on the sample against its budget), ``calibration_reasons`` (why, where not active) and
+        ``calibration_required`` (the namespace's own ``require_calibration``, where it has one; the store's
+        is ``require_calibration``)."""
         names = sorted(set(self._ns) | set(self._cals),
                        key=lambda n: (n not in self._cals and (n not in self._ns or self._ns[n].prot is None), n))
         listed = names[:STATS_NAMESPACES]
         states = {n: self.calibration_state(n) for n in listed}
         return {"calibration_held_pages": self._cal_held_pages, "calibration_raw_pages": self._cal_raw_pages,
+                "require_calibration": self.require_calibration,
                 "calibrated_namespaces": sum(1 for ns in self._ns.values()
                                              if ns.prot is not None and ns.prot.state == "active"),
                 "calibration_states": {n: s["state"] for n, s in states.items()},
                 "calibration_budgets": {n: budget_text(s["levels"]) for n, s in states.items() if s.get("levels")},
                 "calibration_reasons": {n: s["reason"] for n, s in states.items()
                                         if s["reason"] and s["state"] != "active"},
+                "calibration_required": {n: self._cal_required[n] for n in listed if n in self._cal_required},
                 "calibration_unlisted": len(names) - len(listed)}
 
 

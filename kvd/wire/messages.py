@@ -35,7 +35,6 @@ from kvd.wire.schema import (
     byte_view,
     check_array,
     check_bool,
-    check_calibration,
     check_calibration_levels,
     check_calibration_state,
     check_dim,
@@ -44,6 +43,7 @@ from kvd.wire.schema import (
     check_info,
     check_layers,
     check_namespace,
+    check_opt_calibration,
     check_opt_info,
     check_opt_position,
     check_opt_positions,
@@ -84,6 +84,9 @@ class _Message:
     EXTRA_KEYS: ClassVar[tuple[str, ...]] = ()  # header keys handled by _payload / _from_payload
     FRAMES: ClassVar[int | None] = 0  # binary frames after the header; None: the class counts them
     OPTIONAL: ClassVar[tuple[str, ...]] = ()  # FIELDS that may be absent or nil on the wire (= the default)
+    # header fields beside FIELDS on the wire only when not their default (a later minor version's, so that a
+    # message without them keeps its bytes); absent or nil: the default. _payload / _from_payload handle them.
+    SET_ONLY: ClassVar[tuple[tuple[str, Check], ...]] = ()
 
     request_id: int
 
@@ -105,11 +108,14 @@ class _Message:
         """Rules spanning several fields (InvalidArgument). ``wire``: the frames were already checked."""
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return {}, []
+        defaults = _DEFAULTS[type(self)]
+        return {name: getattr(self, name) for name, _ in self.SET_ONLY
+                if getattr(self, name) is not defaults[name]}, []
 
     @classmethod
     def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        return {}
+        return {name: check(name, header[name], ProtocolError) for name, check in cls.SET_ONLY
+                if header.get(name) is not None}
 
 
 def _check_fields(msg: _Message, exc: type[KvdError]) -> None:
@@ -118,6 +124,12 @@ def _check_fields(msg: _Message, exc: type[KvdError]) -> None:
         normal = check(name, value, exc)
         if normal is not value:
             object.__setattr__(msg, name, normal)
+    if msg.SET_ONLY:
+        defaults = _DEFAULTS[type(msg)]
+        for name, check in msg.SET_ONLY:
+            value = getattr(msg, name)
+            if value is not defaults[name]:
+                object.__setattr__(msg, name, check(name, value, exc))
     if not (isinstance(msg, ErrorReply) and msg.request_id is None):
         object.__setattr__(msg, "request_id", check_request_id("id", msg.request_id, exc))
     msg._cross_check(wire=False)
@@ -132,20 +144,8 @@ class HelloRequest(_Message):
     """
 
     OP = "hello"
-    EXTRA_KEYS = ("incarnation",)
+    SET_ONLY = (("incarnation", check_bool),)
     incarnation: bool = False
-
-    def _cross_check(self, wire: bool = False) -> None:
-        if not wire:
-            object.__setattr__(self, "incarnation", check_bool("incarnation", self.incarnation, InvalidArgument))
-
-    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return ({"incarnation": True} if self.incarnation else {}), []
-
-    @classmethod
-    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        value = header.get("incarnation")
-        return {"incarnation": False if value is None else check_bool("incarnation", value, ProtocolError)}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -185,13 +185,15 @@ class AppendRequest(_Message):
     wire only when set. ``packed`` (protocol 1.4): keys and values travel in one frame, keys first (a copy of both
     is sent; on the wire only when true). A decoded packed request's arrays are views of that one frame.
     ``parent`` (protocol 1.6): the sequence (same namespace, same shard) a new sequence follows in a chain that
-    lookups walk in order (Store.append); on the wire only when set.
+    lookups walk in order (Store.append); on the wire only when set. ``notices`` (protocol 1.8): the reply may
+    carry a ``notice`` (:class:`AppendReply`); on the wire only when true, so a request without it is the same
+    bytes as in 1.7 and gets the 1.7 reply.
     """
 
     OP = "append"
     FIELDS = (*_NS_SEQ, ("offset", check_opt_position))
     OPTIONAL = ("offset",)
-    EXTRA_KEYS = ("dtype", "shape", "position", "incarnation", "packed", "parent")
+    EXTRA_KEYS = ("dtype", "shape", "position", "incarnation", "packed", "parent", "notices")
     FRAMES = None  # 2, or 1 when packed (tensors_from_wire counts them)
     namespace: str
     seq_id: SeqId
@@ -203,6 +205,7 @@ class AppendRequest(_Message):
     incarnation: str | None = None
     packed: bool = False
     parent: SeqId | None = None
+    notices: bool = False
 
     def _cross_check(self, wire: bool = False) -> None:
         if not wire:  # a decoded request's arrays were built from the frames with the declared dtype and shape
@@ -213,6 +216,7 @@ class AppendRequest(_Message):
             if self.incarnation is not None:
                 check_short_text("incarnation", self.incarnation, InvalidArgument)
             object.__setattr__(self, "packed", check_bool("packed", self.packed, InvalidArgument))
+            object.__setattr__(self, "notices", check_bool("notices", self.notices, InvalidArgument))
 
     def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
         extra: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.keys.shape)}
@@ -222,6 +226,8 @@ class AppendRequest(_Message):
             extra["incarnation"] = self.incarnation
         if self.parent is not None:
             extra["parent"] = self.parent
+        if self.notices:
+            extra["notices"] = True
         if self.packed:
             extra["packed"] = True
             return extra, [packed_tensors(self.keys, self.values)]
@@ -238,6 +244,8 @@ class AppendRequest(_Message):
         value = header.get("parent")
         if value is not None:
             out["parent"] = check_seq_id("parent", value, ProtocolError)
+        value = header.get("notices")
+        out["notices"] = False if value is None else check_bool("notices", value, ProtocolError)
         return out
 
 
@@ -380,12 +388,22 @@ class AttendRequest(_Message):
 class CalibrateRequest(_Message):
     """Store.calibrate (protocol 1.7): give ``namespace`` the ``calibration`` record (the map of
     :meth:`kvd.calibration.Calibration.to_dict`; the server checks it with :func:`kvd.calibration.from_dict`).
-    In a cluster the shard makes it cluster-wide first. Reply: :class:`CalibrateReply`."""
+    ``require`` (protocol 1.8): the namespace's own ``require_calibration`` (None: unchanged); on the wire only
+    when set, so a request without it is the same bytes as in 1.7. From 1.8 ``calibration`` may be None (nil)
+    when ``require`` is set: the namespace keeps its calibration, if any. In a cluster the shard makes both
+    cluster-wide first. Reply: :class:`CalibrateReply`."""
 
     OP = "calibrate"
-    FIELDS = (("namespace", check_namespace), ("calibration", check_calibration))
+    FIELDS = (("namespace", check_namespace), ("calibration", check_opt_calibration))
+    OPTIONAL = ("calibration",)
+    SET_ONLY = (("require", check_bool),)
     namespace: str
-    calibration: dict[str, Any]
+    calibration: dict[str, Any] | None = None
+    require: bool | None = None
+
+    def _cross_check(self, wire: bool = False) -> None:
+        if self.calibration is None and self.require is None:
+            raise InvalidArgument("calibrate needs a calibration, require, or both: it has neither")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -439,7 +457,7 @@ class HelloReply(_Message):
         *((name, check_position) for name in _LIMIT_FIELDS),
     )
     OPTIONAL = ("page_tokens",)
-    EXTRA_KEYS = ("incarnation",)
+    SET_ONLY = (("incarnation", check_short_text),)
     protocol_version: int = PROTOCOL_VERSION
     protocol_minor: int = PROTOCOL_MINOR
     kvd_version: str
@@ -454,8 +472,6 @@ class HelloReply(_Message):
     incarnation: str | None = None
 
     def _cross_check(self, wire: bool = False) -> None:
-        if not wire and self.incarnation is not None:
-            check_short_text("incarnation", self.incarnation, InvalidArgument)
         if (self.page_tokens is None) != (self.role == "coordinator"):
             raise InvalidArgument(
                 f"page_tokens must be set for a shard and nil for a coordinator, got role "
@@ -469,14 +485,6 @@ class HelloReply(_Message):
     @property
     def limits(self) -> Limits:
         return Limits(**{name: getattr(self, name) for name in _LIMIT_FIELDS})
-
-    def _payload(self) -> tuple[dict[str, Any], list[Frame]]:
-        return ({"incarnation": self.incarnation} if self.incarnation is not None else {}), []
-
-    @classmethod
-    def _from_payload(cls, header: Mapping[str, Any], frames: list[Frame], limits: Limits) -> dict[str, Any]:
-        value = header.get("incarnation")
-        return {"incarnation": None if value is None else check_short_text("incarnation", value, ProtocolError)}
 
     @classmethod
     def for_limits(cls, limits: Limits, **fields: Any) -> HelloReply:
@@ -493,13 +501,20 @@ class RegisterReply(_Message):
     OP = "register"
 
 
+_NOTICE = text_in(MAX_ERROR_MESSAGE_BYTES)  # an append reply's notice: 1 to 2048 bytes of UTF-8
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AppendReply(_Message):
-    """``length``: the sequence's length in tokens after the append."""
+    """``length``: the sequence's length in tokens after the append. ``notice`` (protocol 1.8): why the
+    namespace needs attention (the store's calibration state: "needs calibration ..."), only in a reply to a
+    request with ``notices``; on the wire only when set."""
 
     OP = "append"
     FIELDS = (("length", check_position),)
+    SET_ONLY = (("notice", _NOTICE),)
     length: int
+    notice: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -688,17 +703,21 @@ class CalibrateReply(_Message):
     """A namespace's calibration state after a ``calibrate`` (Store.calibration_state): ``state`` (``active``,
     ``quarantined``, ...), ``reason`` (why, e.g. the layout a quarantined calibration was measured on),
     ``digest`` and ``model`` of the calibration, and per level (``8bit``, ``q4``) its ``budget``, ``mean``,
-    ``worst``, ``bits``, ``met``, ``off`` and ``protected``."""
+    ``worst``, ``bits``, ``met``, ``off`` and ``protected``. ``required`` (protocol 1.8): whether the namespace
+    requires a calibration (its own setting, else the shard's), only in a reply to a request with ``require``;
+    on the wire only when set."""
 
     OP = "calibrate"
     FIELDS = (("state", check_calibration_state), ("reason", _REASON), ("digest", _opt_text), ("model", _opt_text),
               ("levels", check_calibration_levels))
     OPTIONAL = ("digest", "model", "levels")
+    SET_ONLY = (("required", check_bool),)
     state: str
     reason: str
     digest: str = ""
     model: str = ""
     levels: dict[str, dict[str, Any]] | None = None  # normalised to a dict
+    required: bool | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -129,7 +129,8 @@ _PAYLOAD_NAMES = {
 }  # the fields _from_payload fills (or their defaults)
 _ENVELOPES: tuple[tuple[str, ...], ...] = (("v", "id", "op"), ("v", "id", "op", "ok"), ("v", "id", "ok"))
 _KNOWN: dict[tuple[type[_Message], tuple[str, ...]], frozenset[str]] = {  # header keys each message may have
-    (c, env): frozenset((*env, *(name for name, _ in c.FIELDS), *c.EXTRA_KEYS)) for c in _ALL for env in _ENVELOPES
+    (c, env): frozenset((*env, *(name for name, _ in (*c.FIELDS, *c.SET_ONLY)), *c.EXTRA_KEYS))
+    for c in _ALL for env in _ENVELOPES
 }
 
 
@@ -341,7 +342,7 @@ def _encode(msg: _Message, envelope: dict[str, Any], limits: Limits | None) -> l
     header = envelope
     for name, _check in msg.FIELDS:
         header[name] = getattr(msg, name)
-    if msg.FRAMES == 0 and not msg.EXTRA_KEYS:
+    if msg.FRAMES == 0 and not msg.EXTRA_KEYS and not msg.SET_ONLY:
         out: list[Frame] = [_packb(header)]
     else:
         extra, frames = msg._payload()
@@ -574,6 +575,7 @@ def _fast_reply_py(frames: Any, limits: Limits) -> AppendReply | GetReply | None
         reply = _new(AppendReply)
         _set(reply, "request_id", rid)
         _set(reply, "length", length)
+        _set(reply, "notice", None)  # (a reply with a notice takes the generic decoder)
         return reply
     start, end, layers, shape = header["start"], header["end"], header["layers"], header["shape"]
     if (header["op"] != "get" or header["format"] != "fp16" or header["dtype"] != "float16"
@@ -629,7 +631,8 @@ def _flat_tensors(frames: Any, size: int, limits: Limits, dims: tuple[int, int, 
 _GET_REQUEST_KEYS = frozenset(("v", "id", "op", "namespace", "seq_id", "start", "end", "layers", "format"))
 _PACKED_GET_REQUEST_KEYS = _GET_REQUEST_KEYS | {"packed"}  # on the wire only when true (protocol 1.1 / 1.4)
 _APPEND_REQUEST_KEYS = frozenset(("v", "id", "op", "namespace", "seq_id", "offset", "dtype", "shape"))
-_APPEND_REQUEST_MORE = frozenset(("position", "incarnation"))  # on the wire only when set (protocol 1.3)
+# on the wire only when set: position and incarnation (protocol 1.3), notices (1.8, only when true)
+_APPEND_REQUEST_MORE = frozenset(("position", "incarnation", "notices"))
 _PACKED_APPEND_REQUEST_KEYS = _APPEND_REQUEST_KEYS | {"packed"}  # one frame of keys then values (protocol 1.4)
 _PACKED_APPEND_REQUEST_ANY = _PACKED_APPEND_REQUEST_KEYS | _APPEND_REQUEST_MORE
 
@@ -642,9 +645,9 @@ def _fast_request_py(frames: Any, limits: Limits) -> AppendRequest | GetRequest 
     if n == 1:
         opened = _flat_header(frames, limits, (9, 10))  # packed is sent only when true
     elif n == 3:
-        opened = _flat_header(frames, limits, (8, 9, 10))  # position and incarnation are sent only when set
+        opened = _flat_header(frames, limits, (8, 9, 10, 11))  # position, incarnation, notices only when set
     elif n == 2:
-        opened = _flat_header(frames, limits, (9, 10, 11))  # packed, and position and incarnation when set
+        opened = _flat_header(frames, limits, (9, 10, 11, 12))  # packed, and the three others when set
     else:
         return None
     if opened is None:
@@ -660,6 +663,8 @@ def _fast_request_py(frames: Any, limits: Limits) -> AppendRequest | GetRequest 
             return None
     elif not _PACKED_APPEND_REQUEST_KEYS <= header.keys() <= _PACKED_APPEND_REQUEST_ANY or (
             header["op"] != "append" or header["packed"] is not True):
+        return None
+    if n != 1 and header.get("notices", True) is not True:  # sent only when true
         return None
     v, rid, namespace, seq_id = header["v"], header["id"], header["namespace"], header["seq_id"]
     if (type(v) is not int or v != PROTOCOL_VERSION or type(rid) is not int or not 0 <= rid <= MAX_REQUEST_ID
@@ -736,6 +741,7 @@ def _fast_append_request(header: dict[str, Any], frames: Any, size: int, limits:
     _set(req, "incarnation", incarnation)
     _set(req, "packed", len(frames) == 2)
     _set(req, "parent", None)  # (a request with a parent takes the generic decoder)
+    _set(req, "notices", "notices" in header)  # (True: the caller saw to it)
     return req
 
 

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _BF16 = np.dtype("<u2")
 
 PROTOCOL_VERSION = 1  # the major version: a peer speaking another one is refused with UnsupportedVersion
-PROTOCOL_MINOR = 7  # additions a client can discover through hello; never changes the meaning of old fields
+PROTOCOL_MINOR = 8  # additions a client can discover through hello; never changes the meaning of old fields
 # 1.1: get's ``packed`` field (pages in few frames, docs/protocol.md §6.5)
 # 1.2: the ``lengths`` operation (many sequences' lengths in one request, docs/protocol.md §6.11)
 # 1.3: append's ``position``, hello's and append's ``incarnation``, error WrongShard (docs/protocol.md §3)
@@ -36,6 +36,8 @@ PROTOCOL_MINOR = 7  # additions a client can discover through hello; never chang
 # 1.5: the ``attend`` operation (attention computed by the shard over its pages, docs/protocol.md §6.12)
 # 1.6: append's ``parent`` (the sequence a new one follows in a chain, for prefix-aware eviction; §6.4)
 # 1.7: the ``calibrate`` operation (a namespace's calibration, docs/protocol.md §6.13)
+# 1.8: append's ``notices`` and its reply's ``notice`` ("needs calibration", §6.4); calibrate's ``require`` with
+#      the calibration optional, and its reply's ``required`` (§6.13)
 MAX_LOOKUP = 4096  # seq_ids in one ``lengths`` request
 
 _KIB = 1024
@@ -262,6 +264,11 @@ def check_calibration(name: str, value: Any, exc: type[KvdError]) -> dict[str, A
         if not isinstance(key, str):
             raise exc(f"{name} keys must be strings, got {show(key)}")
     return value if type(value) is dict else dict(value)
+
+
+def check_opt_calibration(name: str, value: Any, exc: type[KvdError]) -> dict[str, Any] | None:
+    """:func:`check_calibration`, or nil (protocol 1.8: a ``calibrate`` that sets ``require`` only)."""
+    return None if value is None else check_calibration(name, value, exc)
 
 
 check_calibration_state = one_of(CALIBRATION_STATES)

@@ -1,14 +1,18 @@
 """A namespace's calibration in a cluster (issue 33): given once through the client, kept by the coordinator with
-the namespace, handed to every shard (one that restarts too), kept across a coordinator restart; `kvd calibrate`
-and `kvd status` as a user runs them. Real processes: one local Ray (2 CPUs) per module, shards and the
-coordinator killed with SIGKILL, the command line in subprocesses."""
+the namespace, handed to every shard (one that restarts too), kept across a coordinator restart; likewise a
+namespace's own require_calibration (protocol 1.8), whose appends then say the namespace needs a calibration;
+`kvd calibrate` and `kvd status` as a user runs them. Real processes: one local Ray (2 CPUs) per module, shards
+and the coordinator killed with SIGKILL, the command line in subprocesses."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +22,11 @@ import pytest
 import ray
 
 from kvd.calibration import calibrate, check_sample
-from kvd.client import Client
+from kvd.client import AsyncClient, Client
 from kvd.cluster.coordinator import RayKV
 from kvd.cluster.deploy import Deployment, deploy, teardown, wait_until
 from kvd.cluster.naming import state_key
+from kvd.errors import KvdWarning
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("local_ray"), pytest.mark.backend_independent]
 
@@ -76,13 +81,14 @@ def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def restart_shard(cluster: Deployment, shard_id: str) -> None:
-    """SIGKILL the shard's process; return once Ray restarted it (empty) and it holds the calibration again."""
+def restart_shard(cluster: Deployment, shard_id: str, state: str = "active") -> None:
+    """SIGKILL the shard's process; return once Ray restarted it (empty) and the namespace is in ``state`` there
+    again (it got its calibration, or its own require_calibration, back)."""
     _, pid = shard_state(cluster, shard_id)
     kill(pid)
     wait_until(lambda: shard_state(cluster, shard_id)[1] != pid, timeout_s=60, what=f"{shard_id} restart")
-    wait_until(lambda: shard_state(cluster, shard_id)[0] == "active", timeout_s=30,
-               what=f"the calibration on the restarted {shard_id}")
+    wait_until(lambda: shard_state(cluster, shard_id)[0] == state, timeout_s=30,
+               what=f"the calibration state {state} on the restarted {shard_id}")
 
 
 @pytest.mark.timeout(240)
@@ -103,7 +109,8 @@ def test_a_calibration_reaches_every_shard_a_restarted_one_and_survives_a_coordi
         restart_shard(cluster, "shard-1")
 
         # the coordinator killed for real comes back with it (persisted), and hands it to a shard restarted later
-        assert RayKV(state_key(cluster.namespace)).calibrations()[NS] == cal.to_dict()  # in Ray's internal KV
+        saved = RayKV(state_key(cluster.namespace)).calibrations()[NS]  # in Ray's internal KV
+        assert saved == {"calibration": cal.to_dict(), "require": None}
         coordinator_pid = int(ray.get(cluster.coordinator.pid.remote(), timeout=10))
         kill(coordinator_pid)
         wait_until(lambda: int(ray.get(cluster.coordinator.pid.remote(), timeout=5)) != coordinator_pid,
@@ -119,6 +126,81 @@ def test_a_calibration_reaches_every_shard_a_restarted_one_and_survives_a_coordi
         for sid in cluster.shards:
             wait_until(lambda sid=sid: shard_state(cluster, sid)[0] == "quarantined", timeout_s=10,
                        what=f"{sid} quarantined")
+
+
+NEEDS = "needs calibration: pages compressed with the default protection"
+_SEQS = itertools.count()
+
+
+def appends_say(endpoint: str, namespace: str, count: int = 8) -> dict[str, str]:
+    """A fresh client's ``notices`` after ``count`` appends of new sequences to ``namespace`` (spread over the
+    shards by their ids); the client's warning is caught."""
+    k = np.ones((LAYERS, 2 * PAGE, HEADS, DIM), np.float16)
+    with Client(endpoint, timeout_s=10) as client, warnings.catch_warnings():
+        warnings.simplefilter("ignore", KvdWarning)
+        for _ in range(count):
+            seq = f"seq-{next(_SEQS)}"
+            assert client.append(namespace, seq, k, k) == 2 * PAGE
+            client.drop(namespace, seq)  # (the shards hold 1 MiB each)
+        return dict(client.notices)
+
+
+@pytest.mark.timeout(300)
+def test_a_namespaces_own_require_calibration_reaches_every_shard_survives_restarts_and_appends_say_so(
+    make_cluster: Any,
+) -> None:
+    cluster = make_cluster(2, **{"store.allow_raw_fallback": False})
+    ep = cluster.endpoint
+    with Client(ep, timeout_s=10) as client:
+        client.register(NS, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+        client.register("other", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM)
+        assert appends_say(ep, NS) == {}  # the shards do not require calibrations
+        state = client.calibrate(NS, require=True)
+        assert (state["state"], state["required"]) == ("needed", True)
+        for sid in cluster.shards:
+            assert shard_state(cluster, sid)[0] == "needed", sid
+        assert ray.get(cluster.coordinator.required.remote(), timeout=10) == {NS: True}
+        k = np.ones((LAYERS, PAGE + 1, HEADS, DIM), np.float16)
+        with pytest.warns(KvdWarning, match=f"kvd namespace '{NS}': {NEEDS}"):
+            assert client.append(NS, "first", k, k) == PAGE + 1
+        assert client.notices == {NS: NEEDS}
+    assert appends_say(ep, NS) == {NS: NEEDS} and appends_say(ep, "other") == {}
+
+    async def async_notices() -> dict[str, str]:
+        async with AsyncClient(ep, timeout_s=10) as c:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", KvdWarning)
+                await c.append_many([(NS, f"a-{i}", k, k) for i in range(6)])
+            return dict(c.notices)
+
+    assert asyncio.run(async_notices()) == {NS: NEEDS}
+
+    # a shard killed for real comes back empty and gets the setting from the coordinator
+    restart_shard(cluster, "shard-1", "needed")
+    # the coordinator keeps it persisted, and a restarted one hands it to a shard restarted after it
+    assert RayKV(state_key(cluster.namespace)).calibrations()[NS] == {"calibration": None, "require": True}
+    coordinator_pid = int(ray.get(cluster.coordinator.pid.remote(), timeout=10))
+    kill(coordinator_pid)
+    wait_until(lambda: int(ray.get(cluster.coordinator.pid.remote(), timeout=5)) != coordinator_pid,
+               timeout_s=60, what="coordinator restart")
+    assert ray.get(cluster.coordinator.required.remote(), timeout=10) == {NS: True}
+    restart_shard(cluster, "shard-0", "needed")
+    assert appends_say(ep, NS) == {NS: NEEDS}  # on every shard, the restarted ones too
+
+    # kvd calibrate --no-require undoes it, kvd status shows it
+    done = kvd("calibrate", NS, "--no-require", "--address", ep)
+    assert done.returncode == 0, done.stderr
+    assert f"namespace {NS!r}: calibration none; requires a calibration: no" in done.stdout, done.stdout
+    for sid in cluster.shards:
+        wait_until(lambda sid=sid: shard_state(cluster, sid)[0] == "none", timeout_s=10, what=f"{sid} none")
+    assert appends_say(ep, NS) == {}
+    status = kvd("status", "--address", ep)
+    assert status.returncode == 0, status.stderr
+    rows = {line.split()[0]: line.split() for line in status.stdout.splitlines()
+            if line.split()[:1] in ([NS], ["other"])}
+    assert rows[NS][1:3] == ["none", "no"] and rows["other"][1:3] == ["none", "(no)"], status.stdout
+    usage = kvd("calibrate", NS, "--address", ep)
+    assert usage.returncode == 2 and "give --sample FILE, --require / --no-require, or both" in usage.stderr
 
 
 def kvd(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:

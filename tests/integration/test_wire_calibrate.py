@@ -1,10 +1,15 @@
 """The ``calibrate`` operation (protocol 1.7) over real sockets: a ShardServer in another process applies a
 namespace's calibration to the pages it seals from then on, quarantines one measured on another layout, refuses
-bad records with clear errors and keeps serving, and a client never sends it to a server older than 1.7."""
+bad records with clear errors and keeps serving, and a client never sends it to a server older than 1.7.
+Protocol 1.8: a namespace's own ``require_calibration`` (``calibrate``'s ``require``), and the "needs
+calibration" notice on append replies, which Client and AsyncClient surface without changing what append
+returns, and which a request without ``notices`` never gets."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import warnings
 from typing import Any
 
 import msgpack
@@ -15,7 +20,7 @@ import zmq
 from kvd.calibration import Calibration, LevelPlan
 from kvd.client import AsyncClient, Client
 from kvd.codec import pages
-from kvd.errors import InvalidArgument, ProtocolError, UnknownNamespace
+from kvd.errors import InvalidArgument, KvdWarning, ProtocolError, UnknownNamespace
 from kvd.wire import protocol as p
 
 from test_wire import LAYOUT, NS, ServerProcess, kv, raw_dealer, request  # isort: skip
@@ -195,26 +200,40 @@ def test_hello_says_the_server_may_write_page_format_2(server: ServerProcess) ->
     sock = raw_dealer(ctx, server.endpoint)
     try:
         hello = request(sock, p.HelloRequest(request_id=1))
-        assert hello.protocol_minor == 7 and hello.page_format_version == pages.HELD_VERSION == 2
+        assert hello.protocol_minor == 8 and hello.page_format_version == pages.HELD_VERSION == 2
     finally:
         sock.close(0)
         ctx.term()
 
 
-def _old_shard(router: zmq.Socket[Any], seen: list[str], stop: threading.Event) -> None:
-    """A shard of protocol 1.6: it knows no calibrate operation."""
+def _old_shard(router: zmq.Socket[Any], seen: list[str], stop: threading.Event, minor: int = 6,
+               headers: list[dict[str, Any]] | None = None) -> None:
+    """A shard of protocol 1.``minor`` (6: it knows no calibrate operation): it answers hello, register and
+    append, and refuses what it does not know (an unknown op, or a key newer than it) as such a server does."""
+    known = {"append": {"v", "id", "op", "namespace", "seq_id", "offset", "dtype", "shape", "position",
+                        "incarnation", "packed", "parent"},
+             "calibrate": {"v", "id", "op", "namespace", "calibration"}}
     while not stop.is_set():
         if not router.poll(50):
             continue
         ident, *frames = router.recv_multipart()
         header = msgpack.unpackb(frames[0])
         seen.append(header.get("op", "?"))
-        if header.get("op") == "hello":
-            reply: Any = p.HelloReply.for_limits(p.Limits(), request_id=header["id"], kvd_version="0.1.0",
-                                                 page_format_version=1, shard_id="old", page_tokens=64,
-                                                 protocol_minor=6)
-        elif header.get("op") == "register":
+        if headers is not None:
+            headers.append(header)
+        op = header.get("op")
+        if set(header) - known.get(op, set(header)):
+            reply: Any = p.error_reply(header.get("id"), ProtocolError(f"{op}: unknown header keys"))
+        elif op == "hello":
+            reply = p.HelloReply.for_limits(p.Limits(), request_id=header["id"], kvd_version="0.1.0",
+                                            page_format_version=1, shard_id="old", page_tokens=64,
+                                            protocol_minor=minor)
+        elif op == "register":
             reply = p.RegisterReply(request_id=header["id"])
+        elif op == "append":
+            reply = p.AppendReply(request_id=header["id"], length=header["shape"][1])
+        elif op == "calibrate" and minor >= 7:
+            reply = p.CalibrateReply(request_id=header["id"], state="active", reason="")
         else:
             reply = p.error_reply(header.get("id"), ProtocolError("unknown op"))
         router.send_multipart([ident, *p.encode_reply(reply)])
@@ -235,6 +254,172 @@ def test_a_server_before_protocol_1_7_is_never_sent_the_op() -> None:
             with pytest.raises(ProtocolError, match=r"speaks protocol 1\.6: calibrate needs 1\.7"):
                 c.calibrate(NS, calibration())
         assert "calibrate" not in seen and "register" in seen
+    finally:
+        stop.set()
+        thread.join(5)
+        router.close(0)
+        ctx.term()
+
+
+# ---- protocol 1.8: "needs calibration" on append replies, and a namespace's own require_calibration -----------
+
+NEEDS = "needs calibration: pages compressed with the default protection"
+
+
+@pytest.fixture
+def strict() -> Any:
+    """A shard that requires calibrations and may not keep pages raw without one."""
+    srv = ServerProcess("shard-strict", level="q4", store={"require_calibration": True,
+                                                         "allow_raw_fallback": False})
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_namespace_that_needs_a_calibration_says_so_on_every_append_through_client(
+        strict: ServerProcess) -> None:
+    k, v = kv(tokens=PAGE + 3, seed=4)
+    with Client(strict.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        with pytest.warns(KvdWarning, match=f"kvd namespace '{NS}': {NEEDS}"):
+            assert c.append(NS, "a", k, v) == PAGE + 3  # append still returns the length
+        assert c.notices == {NS: NEEDS}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KvdWarning)  # once per namespace per client: no second warning
+            assert c.append(NS, "a", k[:, :1], v[:, :1]) == PAGE + 4  # the fast path
+            assert c.append_nowait(NS, "b", k, v).result() == PAGE + 3  # pipelined
+            assert c.append_many([(NS, "c", k, v), (NS, "d", k, v)]) == [PAGE + 3] * 2
+            big = kv(tokens=2 * PAGE, seed=5)
+            assert c.append(NS, "e", memoryview(big[0]), memoryview(big[1])) == 2 * PAGE  # the plan's path
+        c.notices.clear()
+        c.append_nowait(NS, "b", k[:, :1], v[:, :1]).result()
+        assert c.notices == {NS: NEEDS}  # every append says so, pipelined ones too
+        c.notices.clear()
+        c.append_many([(NS, "c", k[:, :1], v[:, :1])])
+        assert c.notices == {NS: NEEDS}
+        c.notices.clear()
+        c.append(NS, "e", memoryview(np.ascontiguousarray(k[:, :1])),
+                 memoryview(np.ascontiguousarray(v[:, :1])))  # through the plan
+        assert c.notices == {NS: NEEDS}
+        # a matching calibration: no notice any more, and the namespace's entry goes
+        assert c.calibrate(NS, calibration())["state"] == "active"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KvdWarning)
+            c.append(NS, "f", k, v)
+        assert c.notices == {}
+        # another client warns on its own
+        c.register("other", **LAYOUT)
+    with Client(strict.endpoint, timeout_s=10) as c2, pytest.warns(KvdWarning, match="'other'"):
+        c2.append("other", "x", k, v)
+
+
+@pytest.mark.timeout(60)
+def test_async_client_surfaces_the_notice_too(strict: ServerProcess) -> None:
+    k, v = kv(tokens=PAGE + 3, seed=6)
+
+    async def run() -> tuple[list[Any], dict[str, str], dict[str, str]]:
+        async with AsyncClient(strict.endpoint, timeout_s=10) as c:
+            await c.register(NS, **LAYOUT)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                lengths = [await c.append(NS, "a", k, v), *await c.append_many([(NS, "b", k, v),
+                                                                                (NS, "c", k, v)])]
+            seen = dict(c.notices)
+            await c.calibrate(NS, calibration())
+            await c.append(NS, "d", k, v)
+            return [lengths, [w for w in caught if issubclass(w.category, KvdWarning)]], seen, dict(c.notices)
+
+    (lengths, warned), seen, after = asyncio.run(run())
+    assert lengths == [PAGE + 3] * 3
+    assert len(warned) == 1 and NEEDS in str(warned[0].message)
+    assert seen == {NS: NEEDS} and after == {}
+
+
+@pytest.mark.timeout(60)
+def test_a_request_without_notices_gets_the_17_reply_bytes_and_one_with_it_the_notice(
+        strict: ServerProcess) -> None:
+    k, v = kv(tokens=3, seed=7)
+    with Client(strict.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+    ctx = zmq.Context()
+    sock = raw_dealer(ctx, strict.endpoint)
+    try:
+        sock.send_multipart(p.encode_request(p.AppendRequest(request_id=5, namespace=NS, seq_id="old", keys=k,
+                                                             values=v)))
+        assert sock.poll(10_000)
+        got = [bytes(f) for f in sock.recv_multipart()]
+        assert got == [bytes(f) for f in p.encode_reply(p.AppendReply(request_id=5, length=3))]  # 1.7's bytes
+        reply = request(sock, p.AppendRequest(request_id=6, namespace=NS, seq_id="new", keys=k, values=v,
+                                              notices=True))
+        assert isinstance(reply, p.AppendReply) and (reply.length, reply.notice) == (3, NEEDS)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(60)
+def test_a_namespaces_own_require_calibration_over_the_wire(server: ServerProcess) -> None:
+    """On a shard that does not require calibrations: one namespace does, on its own (fallback on: kept raw, no
+    notice); then with fallback off on another shard, its appends say it needs one; --no-require undoes it."""
+    k, v = kv(tokens=2 * PAGE, seed=8)
+    with Client(server.endpoint, timeout_s=10) as c:
+        c.register(NS, **LAYOUT)
+        state = c.calibrate(NS, require=True)
+        assert (state["state"], state["required"]) == ("missing", True)
+        c.append(NS, "raw", k, v)
+        assert c.explain(NS, "raw", 0, PAGE + 3)["level"] == "fp16"  # kept raw for want of one
+        stats = c.shard_stats()[0]
+        assert stats["calibration_required"] == {NS: True} and stats["require_calibration"] is False
+        state = c.calibrate(NS, calibration(), require=False)  # both at once
+        assert (state["state"], state["required"]) == ("active", False)
+        assert "required" not in c.calibrate(NS, calibration())  # a 1.7-style request: a 1.7-style reply
+        assert c.calibrate(NS, require=False)["digest"] == calibration().digest  # the calibration stays
+        with pytest.raises(InvalidArgument, match="neither"):
+            c.calibrate(NS)
+    strict = ServerProcess("shard-strict-2", level="q4", store={"allow_raw_fallback": False})
+    try:
+        with Client(strict.endpoint, timeout_s=10) as c, warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            c.register(NS, **LAYOUT)
+            c.append(NS, "a", k, v)
+            assert c.notices == {}
+            assert c.calibrate(NS, require=True)["state"] == "needed"
+            c.append(NS, "b", k, v)
+            assert c.notices == {NS: NEEDS}
+            c.calibrate(NS, require=False)
+            c.append(NS, "c", k, v)
+            assert c.notices == {}
+    finally:
+        strict.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("minor", [6, 7])
+def test_a_server_before_protocol_1_8_is_never_sent_notices_or_require(minor: int) -> None:
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen: list[str] = []
+    headers: list[dict[str, Any]] = []
+    stop = threading.Event()
+    thread = threading.Thread(target=_old_shard, args=(router, seen, stop, minor, headers), daemon=True)
+    thread.start()
+    k, v = kv(tokens=3)
+    try:
+        with Client(f"tcp://127.0.0.1:{port}", timeout_s=5) as c, warnings.catch_warnings():
+            warnings.simplefilter("error", KvdWarning)
+            c.register(NS, **LAYOUT)
+            assert c.append(NS, "s", k, v) == 3
+            assert c.append_nowait(NS, "t", k, v).result() == 3
+            with pytest.raises(ProtocolError, match=rf"speaks protocol 1\.{minor}: calibrate"):
+                c.calibrate(NS, require=True)
+            if minor == 7:
+                assert c.calibrate(NS, calibration())["state"] == "active"  # 1.7's calibrate still goes
+            assert c.notices == {}
+        appends = [h for h in headers if h.get("op") == "append"]
+        assert len(appends) == 2 and not any("notices" in h for h in appends)
+        assert not any("require" in h for h in headers)
+        assert seen.count("calibrate") == (1 if minor == 7 else 0)
     finally:
         stop.set()
         thread.join(5)

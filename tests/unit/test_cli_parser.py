@@ -143,6 +143,19 @@ def test_kvd_calibrate_checks_the_shards_before_it_measures() -> None:
         _geometry([{"shard_id": "shard-0", "error": "Timeout: ..."}], "m")
 
 
+def test_kvd_calibrate_takes_require_with_or_without_a_sample(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    assert (parse(["calibrate", "m", "--require"]).sample, parse(["calibrate", "m", "--require"]).require) == (
+        None, True)
+    args = parse(["calibrate", "m", "--sample", "s.npz", "--no-require"])
+    assert (args.sample, args.require) == ("s.npz", False)
+    assert parse(["calibrate", "m", "--sample", "s.npz"]).require is None  # unchanged
+    from kvd.cli.main import main
+
+    assert main(["calibrate", "m", "--address", "tcp://127.0.0.1:1"]) == 2  # neither: before any connection
+    assert "give --sample FILE, --require / --no-require, or both" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("budget", ["0", "1.5", "nan", "six"])
 def test_a_budget_outside_0_1_is_a_usage_error(budget: str, capsys: pytest.CaptureFixture[str]) -> None:
     err = _usage_error(["calibrate", "m", "--sample", "s.npz", "--budget-q4", budget], capsys)

@@ -4,6 +4,7 @@ split to fit the limits, what a server's protocol minor lets the client send, an
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 from kvd.client import core as client_core
 from kvd.client.core import PACK_BELOW_BYTES, First, _check_hello, _Conn, _Core, _on_wire
 from kvd.client.sync import _append_chunks, aggregate_stats
-from kvd.errors import Busy, ConfigError, InvalidArgument, ShardUnavailable, Timeout
+from kvd.errors import Busy, ConfigError, InvalidArgument, KvdWarning, ShardUnavailable, Timeout
 from kvd.wire import protocol as p
 from kvd.wire.routing import Topology, owner
 from kvd.wire.server import CurveConfig, keygen
@@ -121,6 +122,42 @@ def test_small_appends_go_packed_to_a_server_of_protocol_1_4(minor: int) -> None
         got = p.decode_request([bytes(f) for f in frames])
         assert got.keys.tobytes() == keys.tobytes() and got.values.tobytes() == (keys + 1).tobytes()
         assert _on_wire(conn, sent) is sent  # once is enough: the send path may look again
+
+
+@pytest.mark.parametrize("minor", [7, 8])
+def test_appends_ask_for_their_replys_notice_only_from_a_server_of_protocol_1_8(minor: int) -> None:
+    conn = _Conn("tcp://127.0.0.1:1", None, None)
+    _check_hello(conn, p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,
+                                               shard_id="s", page_tokens=64, protocol_minor=minor), "s")
+    keys = np.zeros((1, 1, 1, 2), np.float16)
+    append = p.AppendRequest(request_id=2, namespace="m", seq_id=1, keys=keys, values=keys)
+    sent = _on_wire(conn, append)
+    assert sent.notices is (minor >= 8) and append.notices is False  # the caller's request is not changed
+    assert (b"notices" in bytes(p.encode_request(sent)[0])) is (minor >= 8)  # a 1.7 server never sees the key
+    assert _on_wire(conn, sent) is sent
+    # a request shaped for a 1.8 shard and resent to this one (WrongShard, a new owner) is this one's
+    asked = p.AppendRequest(request_id=3, namespace="m", seq_id=1, keys=keys, values=keys, notices=True)
+    assert _on_wire(conn, asked).notices is (minor >= 8)
+
+
+def test_a_namespaces_notice_is_kept_until_a_reply_without_one_and_warned_once() -> None:
+    core = _Core("tcp://127.0.0.1:1", timeout_s=1.0, curve=None, limits=None)
+    keys = np.zeros((1, 1, 1, 2), np.float16)
+    asked = p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=keys, values=keys, notices=True)
+    with pytest.warns(KvdWarning, match="kvd namespace 'm': needs calibration: x"):
+        core._note(asked, p.AppendReply(request_id=1, length=1, notice="needs calibration: x"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KvdWarning)  # once per namespace
+        core._note(asked, p.AppendReply(request_id=2, length=2, notice="needs calibration: y"))
+    assert core.notices == {"m": "needs calibration: y"}  # the latest
+    not_asked = p.AppendRequest(request_id=3, namespace="m", seq_id=2, keys=keys, values=keys)
+    core._note(not_asked, p.AppendReply(request_id=3, length=1))  # an older shard's reply tells nothing
+    assert core.notices == {"m": "needs calibration: y"}
+    core._note(asked, p.AppendReply(request_id=4, length=3))  # a 1.8 shard's without one: it got its calibration
+    assert core.notices == {}
+    other = p.AppendRequest(request_id=5, namespace="n", seq_id=1, keys=keys, values=keys, notices=True)
+    with pytest.warns(KvdWarning, match="'n'"):  # another namespace warns on its own
+        core._note(other, p.AppendReply(request_id=5, length=1, notice="needs calibration: z"))
 
 
 def test_aggregate_stats_of_no_shards() -> None:

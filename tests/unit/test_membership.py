@@ -572,3 +572,44 @@ def test_a_recovered_coordinator_keeps_calibrations_and_sends_all_to_a_shard_it_
     r.m.set_calibration("m", record("b"))
     assert r.m.shard_sync(topology_epoch=0, namespaces_version=0,
                           calibrations_version=version)["calibrations"] == {"m": record("b")}
+
+
+def test_a_namespaces_own_require_calibration_lives_with_its_calibration_and_reaches_every_shard() -> None:
+    c = Cluster(2).start()
+    c.m.add_namespace("m", (2, 2, 8))
+    c.m.add_namespace("n", (1, 1, 4))
+    with pytest.raises(InvalidArgument, match="needs a record, require, or both"):
+        c.m.set_calibration("m", None)
+    with pytest.raises(InvalidArgument, match="require must be a bool"):
+        c.m.set_calibration("m", None, 1)  # type: ignore[arg-type]
+    with pytest.raises(UnknownNamespace, match="'nope' is not registered"):
+        c.m.set_calibration("nope", None, True)
+    before = c.m.calibrations_version
+    assert c.m.set_calibration("m", None, True) is True  # the setting alone
+    assert c.m.set_calibration("m", None, True) is False  # the same again: nothing changes
+    assert c.m.required() == {"m": True} and c.m.calibrations() == {}
+    assert c.m.state()["calibrations_version"] == before + 1
+    # a registering shard is sent it, beside the calibrations
+    sync = c.m.shard_sync(topology_epoch=0, namespaces_version=0)
+    assert sync["required"] == {"m": True} and sync["calibrations"] == {}
+    # a calibration with the same setting changes the record only, and keeps the setting
+    assert c.m.set_calibration("m", record("a"), True) is True
+    assert c.m.required() == {"m": True} and c.m.calibrations() == {"m": record("a")}
+    # a shard behind gets what changed after its version: here n's setting only
+    assert c.m.set_calibration("n", None, False) is True
+    sync = c.m.shard_sync(topology_epoch=0, namespaces_version=0, calibrations_version=before + 2)
+    assert (sync["required"], sync["calibrations"], sync["calibrations_from"]) == ({"n": False}, {}, before + 2)
+    # a shard's own settings (from its disk tier) join where the cluster has none, for known namespaces only
+    c.m.add_namespace("o", (1, 1, 4))
+    c.m.register("shard-0", c.endpoint["shard-0"], incarnation="shard-0-a", now=c.now,
+                 required={"m": False, "o": True, "unknown": True})
+    assert c.m.required() == {"m": True, "n": False, "o": True}
+    # a recovered coordinator keeps them, and sends them all to a shard it cannot place
+    version = c.m.state()["calibrations_version"]
+    r = Cluster(2, recovered_namespaces={"m": (2, 2, 8), "n": (1, 1, 4), "o": (1, 1, 4)},
+                recovered_calibrations=c.m.calibrations(), recovered_required=c.m.required(),
+                recovered_calibrations_version=version).start()
+    assert r.m.required() == {"m": True, "n": False, "o": True}
+    assert "required" not in r.m.shard_sync(topology_epoch=0, namespaces_version=0, calibrations_version=version)
+    assert r.m.shard_sync(topology_epoch=0, namespaces_version=0,
+                          calibrations_version=version - 1)["required"] == {"m": True, "n": False, "o": True}

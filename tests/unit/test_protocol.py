@@ -205,7 +205,20 @@ def examples() -> dict[str, Any]:
         "calibrate_reply_quarantined": p.CalibrateReply(
             request_id=27, state="quarantined", reason="quarantined: calibration 5d2c0e9e1a7f3b64 was measured on "
             "layout (layers, kv_heads, head_dim) (3, 1, 4), the namespace is (2, 1, 4)"),
+        # protocol 1.8: an append that asks for its reply's notice, and that reply; a namespace's own
+        # require_calibration, alone or with a calibration, and the reply that says whether it requires one
+        "append_request_notices": p.AppendRequest(request_id=28, namespace="smollm2", seq_id="req-42", keys=k16,
+                                                  values=v16, offset=3, incarnation="9f1c2ab04e", notices=True,
+                                                  packed=True),
+        "append_reply_notice": p.AppendReply(request_id=28, length=6, notice=NOTICE),
+        "calibrate_request_require": p.CalibrateRequest(request_id=29, namespace="smollm2", require=True),
+        "calibrate_request_both": p.CalibrateRequest(request_id=30, namespace="smollm2", calibration=CALIBRATION,
+                                                     require=False),
+        "calibrate_reply_required": p.CalibrateReply(request_id=29, state="needed", reason=NOTICE, required=True),
     }
+
+
+NOTICE = "needs calibration: pages compressed with the default protection"  # Protection's reason, state "needed"
 
 
 # A calibration record of one layer and one KV head (a real one is what kvd.calibration.calibrate returns)
@@ -356,10 +369,10 @@ MESSAGES: dict[str, Any] = {
     "ping_request": st.builds(p.PingRequest, request_id=request_ids),
     "register_request": st.builds(p.RegisterRequest, request_id=request_ids, namespace=namespaces,
                                   num_layers=dims, num_kv_heads=dims, head_dim=dims),
-    "append_request": st.builds(lambda rid, ns, seq, off, pos, kv: p.AppendRequest(
-        request_id=rid, namespace=ns, seq_id=seq, offset=off, position=pos, keys=kv[0], values=kv[1]),
-        request_ids, namespaces, seq_ids, st.one_of(st.none(), positions), st.one_of(st.none(), positions),
-        tensor_pair()),
+    "append_request": st.builds(lambda rid, ns, seq, off, pos, kv, notices: p.AppendRequest(
+        request_id=rid, namespace=ns, seq_id=seq, offset=off, position=pos, keys=kv[0], values=kv[1],
+        notices=notices), request_ids, namespaces, seq_ids, st.one_of(st.none(), positions),
+        st.one_of(st.none(), positions), tensor_pair(), st.booleans()),
     "get_request": get_requests(),
     "drop_request": st.builds(p.DropRequest, request_id=request_ids, namespace=namespaces, seq_id=seq_ids),
     "length_request": st.builds(p.LengthRequest, request_id=request_ids, namespace=namespaces, seq_id=seq_ids),
@@ -378,7 +391,8 @@ MESSAGES: dict[str, Any] = {
         positions),
     "ping_reply": st.builds(p.PingReply, request_id=request_ids),
     "register_reply": st.builds(p.RegisterReply, request_id=request_ids),
-    "append_reply": st.builds(p.AppendReply, request_id=request_ids, length=positions),
+    "append_reply": st.builds(p.AppendReply, request_id=request_ids, length=positions,
+                              notice=st.one_of(st.none(), st.text(min_size=1, max_size=100))),
     "get_reply": get_replies(),
     "get_pages_reply": get_pages_replies(),
     "get_pages_reply_packed": packed_pages_replies(),
@@ -386,12 +400,15 @@ MESSAGES: dict[str, Any] = {
     "length_reply": st.builds(p.LengthReply, request_id=request_ids, length=positions),
     "stats_reply": st.builds(p.StatsReply, request_id=request_ids,
                              stats=st.dictionaries(utf8_text.filter(bool), stat_values, max_size=8)),
-    "calibrate_request": st.builds(p.CalibrateRequest, request_id=request_ids, namespace=namespaces,
-                                   calibration=st.dictionaries(utf8_text.filter(bool), stat_values, max_size=8)),
+    "calibrate_request": st.builds(lambda rid, ns, cal, req: p.CalibrateRequest(
+        request_id=rid, namespace=ns, calibration=cal, require=True if cal is None and req is None else req),
+        request_ids, namespaces, st.one_of(st.none(), st.dictionaries(utf8_text.filter(bool), stat_values,
+                                                                      max_size=8)),
+        st.one_of(st.none(), st.booleans())),
     "calibrate_reply": st.builds(p.CalibrateReply, request_id=request_ids, state=st.sampled_from(
         p.CALIBRATION_STATES), reason=st.text(max_size=200), digest=st.text(max_size=32),
         levels=st.dictionaries(st.sampled_from(["8bit", "q4"]), st.dictionaries(
-            utf8_text.filter(bool), stat_scalars, max_size=7))),
+            utf8_text.filter(bool), stat_scalars, max_size=7)), required=st.one_of(st.none(), st.booleans())),
     "explain_reply": st.builds(p.ExplainReply, request_id=request_ids, level=st.text(min_size=1, max_size=8),
                                reasons=st.lists(st.text(min_size=1, max_size=30), max_size=5).map(tuple),
                                details=st.dictionaries(utf8_text.filter(bool), stat_values, max_size=4)),
@@ -445,6 +462,28 @@ def test_an_append_without_position_is_the_same_bytes_as_in_1_2_and_a_bad_positi
         header["position"] = bad
         with pytest.raises(err, match="position"):
             p.decode_request([packb(header), *with_pos[1:]])
+
+
+def test_1_8_fields_are_on_the_wire_only_when_set_so_a_1_7_peer_gets_its_own_bytes() -> None:
+    # an append without notices, its reply without a notice and a calibrate with a record only: 1.7's bytes
+    ex = examples()
+    old = ex["append_request_float16"]
+    plain = p.AppendRequest(request_id=3, namespace="smollm2", seq_id="req-42", keys=old.keys, values=old.values,
+                            notices=False)
+    assert as_bytes(encode(plain)) == read_frames(FIXTURES / "append_request_float16.frames")
+    assert b"notice" not in as_bytes(encode(p.AppendReply(request_id=3, length=3)))[0]
+    assert as_bytes(encode(p.AppendReply(request_id=3, length=3))) == read_frames(FIXTURES / "append_reply.frames")
+    assert b"require" not in as_bytes(encode(ex["calibrate_request"]))[0]
+    assert b"required" not in as_bytes(encode(ex["calibrate_reply"]))[0]
+    # with them: the keys, and their values back
+    asked = msgpack.unpackb(as_bytes(encode(ex["append_request_notices"]))[0])
+    assert asked["notices"] is True
+    assert decode(as_bytes(encode(ex["append_reply_notice"]))).notice == NOTICE
+    alone = msgpack.unpackb(as_bytes(encode(ex["calibrate_request_require"]))[0])
+    assert alone["require"] is True and alone["calibration"] is None
+    back = decode(as_bytes(encode(ex["calibrate_request_require"])))
+    assert back.calibration is None and back.require is True
+    assert decode(as_bytes(encode(ex["calibrate_reply_required"]))).required is True
 
 
 # ---- zero copy -----------------------------------------------------------------------------------------------
@@ -647,6 +686,7 @@ BASE: dict[str, dict[str, Any]] = {
             "format": "fp16"},
     "explain": {"v": 1, "id": 1, "op": "explain", "namespace": "m", "seq_id": 3, "layer": 0, "token": 0},
     "ping": {"v": 1, "id": 1, "op": "ping"},
+    "calibrate": {"v": 1, "id": 1, "op": "calibrate", "namespace": "m", "calibration": {"version": 1}},
 }
 DELETE = object()
 FOUR = b"\x00" * 4  # an append payload frame for shape [1, 1, 1, 2] float16
@@ -733,6 +773,19 @@ REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
     ("three frames", request("append", [FOUR, FOUR, FOUR]), ProtocolError, "expected 2 frames"),
     ("negative offset", request("append", offset=-1), InvalidArgument, "offset must be >= 0, got -1"),
     ("string offset", request("append", offset="0"), ProtocolError, "offset must be an integer or nil"),
+    ("notices is 1", request("append", notices=1), ProtocolError, "notices must be a boolean, got int 1"),
+    ("notices is a string", request("append", notices="yes"), ProtocolError, "notices must be a boolean"),
+    # calibrate (protocol 1.8: require, the calibration optional)
+    ("calibrate with neither", request("calibrate", calibration=DELETE), InvalidArgument,
+     "calibrate needs a calibration, require, or both"),
+    ("calibrate with nil only", request("calibrate", calibration=None, require=None), InvalidArgument,
+     "calibrate needs a calibration, require, or both"),
+    ("require is a string", request("calibrate", require="yes"), ProtocolError, "require must be a boolean"),
+    ("require is 1", request("calibrate", calibration=None, require=1), ProtocolError,
+     "require must be a boolean, got int 1"),
+    ("calibration a list beside require", request("calibrate", calibration=[1], require=True), ProtocolError,
+     "calibration must be a map"),
+    ("calibrate reply key in a request", request("calibrate", required=True), ProtocolError, "'required'"),
     # msgpack level
     ("header not a map", [packb([1, "ping"])], ProtocolError, "header must be a msgpack map, got list"),
     ("header is nil", [packb(None)], ProtocolError, "header must be a msgpack map"),
@@ -828,6 +881,12 @@ def test_local_construction_errors_are_invalid_argument() -> None:
         lambda: p.HelloReply(request_id=1, kvd_version="v", page_format_version=1, shard_id="s", page_tokens=64,
                              max_frames=2),
         lambda: p.ErrorReply(request_id=1, code=0, error="X", message=""),
+        lambda: p.AppendRequest(request_id=1, namespace="m", seq_id=1, keys=k, values=k, notices="yes"),
+        lambda: p.AppendReply(request_id=1, length=1, notice=""),
+        lambda: p.AppendReply(request_id=1, length=1, notice="x" * 2049),
+        lambda: p.CalibrateRequest(request_id=1, namespace="m"),
+        lambda: p.CalibrateRequest(request_id=1, namespace="m", require=1),
+        lambda: p.CalibrateReply(request_id=1, state="none", reason="", required="yes"),
     ]
     for make in cases:
         with pytest.raises(InvalidArgument):
@@ -935,6 +994,14 @@ REPLIES_REJECTED: list[tuple[str, list[bytes], type[KvdError], str]] = [
      "shards[0].endpoint must be a string"),
     ("negative epoch", [hdr(v=1, id=1, op="topology", ok=True, epoch=-1, shards=[], level="q8", level_epoch=0)],
      InvalidArgument, "epoch must be >= 0, got -1"),
+    ("empty notice", [hdr(v=1, id=1, op="append", ok=True, length=3, notice="")], InvalidArgument,
+     "notice must be 1 to 2048 bytes"),
+    ("notice too long", [hdr(v=1, id=1, op="append", ok=True, length=3, notice="x" * 2049)], InvalidArgument,
+     "notice must be 1 to 2048 bytes"),
+    ("notice is an int", [hdr(v=1, id=1, op="append", ok=True, length=3, notice=5)], ProtocolError,
+     "notice must be a string"),
+    ("required is a string", [hdr(v=1, id=1, op="calibrate", ok=True, state="none", reason="", required="yes")],
+     ProtocolError, "required must be a boolean"),
     # a repeated key inside a nested map (hand-written: {"v":1,"id":1,"op":"topology","ok":true,"epoch":1,
     # "level":"q8","level_epoch":0,"shards":[{"id":"a","id":"b"}]})
     ("duplicate key in a nested map", [b"\x88\xa1v\x01\xa2id\x01\xa2op\xa8topology\xa2ok\xc3\xa5epoch\x01"

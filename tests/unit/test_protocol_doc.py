@@ -47,6 +47,9 @@ def requests() -> list[p.Request]:
         p.AttendRequest(request_id=14, namespace=NS, seq_id=SEQ, layer=1, queries=KEYS[0, :, :, :], end=1),
         # protocol 1.7: a calibration of one layer and one KV head (the 8-bit rung only) for the namespace
         p.CalibrateRequest(request_id=15, namespace=NS, calibration=CALIBRATION),
+        # protocol 1.8: an append whose reply may carry a notice; a namespace's own require_calibration alone
+        p.AppendRequest(request_id=16, namespace=NS, seq_id=SEQ, keys=KEYS, values=KEYS, offset=1, notices=True),
+        p.CalibrateRequest(request_id=17, namespace=NS, require=True),
     ]
 
 
@@ -73,6 +76,8 @@ def render() -> str:
             if len(frames) > 1 else ""
         label = " (pages, packed)" if getattr(req, "packed", False) else ""
         label = " (1.3: position, incarnation)" if getattr(req, "position", None) is not None else label
+        label = " (1.8: notices)" if getattr(req, "notices", False) else label
+        label = " (1.8: require only)" if getattr(req, "require", None) is not None else label
         out += [f"`{req.OP}`{label}: {len(header)} bytes"
                 f"{extra}", "", "```", show(header), *hexdump(header), "```", ""]
     trailing = msgpack.packb({"v": 1, "id": 12, "op": "ping"}) + b"\x00"

@@ -171,6 +171,9 @@ def _append_variants() -> list[Any]:
     out.append(pytest.param(with_header(base, extra="x"), id="extra key"))
     out.append(pytest.param(with_header(base, length=DROP, lenght=77), id="renamed key"))
     out.append(pytest.param([*base, b"x"], id="a frame too many"))
+    # protocol 1.8: a reply with a notice is valid, and read by the generic decoder alone
+    for value in ["needs calibration: pages compressed with the default protection", "", 5, None, True]:
+        out.append(pytest.param(with_header(base, notice=value), id=f"notice={value!r}"[:40]))
     err = p.encode_reply(p.error_reply(9, KvdError("boom")))
     out.append(pytest.param([bytes(f) for f in err], id="an error reply"))
     return out
@@ -245,6 +248,11 @@ VALID_REQUESTS = [
     pytest.param(append_request(packed=True), id="append packed (1.4)"),
     pytest.param(append_request("bfloat16", shape=(1, 1, 1, 1), packed=True, offset=2, position=1,
                                 incarnation="inc"), id="append packed, every optional field"),
+    pytest.param(append_request(notices=True), id="append notices (1.8)"),
+    pytest.param(append_request(offset=2, position=1, incarnation="inc", notices=True),
+                 id="append, every optional field"),
+    pytest.param(append_request("float32", packed=True, offset=2, position=1, incarnation="inc", notices=True),
+                 id="append packed, every optional field (1.8)"),
 ]
 
 
@@ -326,9 +334,13 @@ APPEND_VARIANTS = _variants(append_request(position=4, incarnation="abc"), {
     "dtype": ["float64", "bfloat16", "float32", None, 16],
     "shape": [[2, 3, 2], [2, 3, 2, 0], [0, 3, 2, 8], [2, 0, 2, 8], [2, 3, 2, 9], [True, 3, 2, 8], [2, 3, 2, 2**31],
               "x", None, [2.0, 3, 2, 8]],
-}) + _variants(append_request(), {"position": [0], "incarnation": ["x"]}) + _variants(
-    append_request(packed=True, offset=1), {"packed": [False, None, 1, "true"], "dtype": ["float32"],
-                                            "shape": [[2, 3, 2, 16], [2, 3, 4, 8], [2, 3, 2, 4]]})
+}) + _variants(append_request(), {"position": [0], "incarnation": ["x"], "notices": [True, False, None, 1]}) \
+    + _variants(append_request(packed=True, offset=1), {"packed": [False, None, 1, "true"], "dtype": ["float32"],
+                                                        "shape": [[2, 3, 2, 16], [2, 3, 4, 8], [2, 3, 2, 4]]}) \
+    + _variants(append_request(notices=True, position=3), {"notices": [False, None, 1, "true", 0],
+                                                           "position": [None]}) \
+    + _variants(append_request(packed=True, notices=True, incarnation="x"), {"notices": [False, None, "yes"],
+                                                                             "packed": [False]})
 
 
 @pytest.mark.parametrize("frames", GET_VARIANTS + APPEND_VARIANTS)
@@ -407,6 +419,8 @@ def _damaged(header: bytes, rng: np.random.Generator) -> bytes:
     pytest.param((get_request(end=8, packed=True), p.decode_request, generic_decode), id="packed get request"),
     pytest.param((append_request(offset=3, packed=True), p.decode_request, generic_decode),
                  id="packed append request"),
+    pytest.param((append_request(offset=3, incarnation="abc", notices=True), p.decode_request, generic_decode),
+                 id="append request with notices"),
 ])
 def test_a_randomly_damaged_header_gets_the_generic_decoders_answer(base: Any) -> None:
     frames, decode, generic = base
@@ -458,6 +472,10 @@ def _messages() -> list[Any]:
         out.append(p.AppendRequest(request_id=n, namespace="ns", seq_id="s", keys=f16, values=f16 + 1,
                                    offset=None if i % 2 else n, position=None if i % 3 else n,
                                    incarnation=None if i % 2 else "inc", packed=True))
+        # protocol 1.8: notices, packed or not, beside the other optional fields
+        out.append(p.AppendRequest(request_id=n, namespace="ns", seq_id=n, keys=f16, values=f16,
+                                   offset=None if i % 2 else n, position=None if i % 3 else n,
+                                   incarnation=None if i % 2 else "inc", packed=bool(i % 2), notices=True))
         kv = np.arange(2 * (i + 1) * 2 * 8, dtype=np.float16).reshape(2, i + 1, 2, 8)
         out.append(p.GetReply(request_id=n, start=n - min(n, i + 1), end=n - min(n, i + 1) + i + 1 if n else i + 1,
                               layers=(0, 1), keys=kv[:, :, :1], values=kv[:, :, 1:],
@@ -504,6 +522,7 @@ def _declined() -> list[Any]:
         pytest.param(p.LengthRequest(request_id=1, namespace="ns", seq_id="s"), id="another request"),
         pytest.param(p.error_reply(3, KvdError("boom")), id="an error reply"),
         pytest.param(p.LengthReply(request_id=1, length=3), id="another reply"),
+        pytest.param(p.AppendReply(request_id=1, length=3, notice="needs calibration"), id="a notice (1.8)"),
         # a server's own replies are built unchecked (trusted): values no check let through are the generic's
         pytest.param(p.AppendReply.trusted(request_id=1, length=-1), id="negative int"),
         pytest.param(p.AppendReply.trusted(request_id=1, length=True), id="bool for an int"),
@@ -546,7 +565,8 @@ def test_the_longest_header_the_typed_encoders_write_fits_every_header_limit(twi
     longest = [p.GetRequest(request_id=2**64 - 1, namespace="n" * 256, seq_id="s" * 1024, start=2**63 - 1,
                             end=2**63 - 1, layers=tuple(range(2**31 - 64, 2**31)), format="pages"),
                p.AppendRequest(request_id=2**64 - 1, namespace="n" * 256, seq_id="s" * 1024, keys=f16, values=f16,
-                               offset=2**63 - 1, position=2**63 - 1, incarnation="i" * 1024)]
+                               offset=2**63 - 1, position=2**63 - 1, incarnation="i" * 1024, notices=True,
+                               packed=True)]
     for msg in longest:
         frames = _typed_encode(msg)
         assert frames is not None and len(frames[0]) < TYPED.ROOM

@@ -152,7 +152,7 @@ CALIBRATED = {
     "calibration_reasons": {"wrong": "quarantined: calibration 5d2c0e9e1a7f3b64 was measured on layout (layers, "
                                      "kv_heads, head_dim) (3, 4, 32), the namespace is (3, 4, 64)"},
     "calibration_unlisted": 0, "calibration_held_pages": 12, "calibration_raw_pages": 3,
-    "calibrated_namespaces": 1,
+    "calibrated_namespaces": 1, "calibration_required": {"llama": True}, "require_calibration": False,
 }
 
 
@@ -164,11 +164,11 @@ def test_kvd_status_lists_each_namespaces_calibration_state_and_the_budgets_met(
     table = calibration_table([("shard-0", shard("q4", 0.5, **CALIBRATED)), ("shard-1", shard("q4", 0.5,
                                                                                          **CALIBRATED))])
     lines = table.splitlines()
-    assert lines[0].split()[:2] == ["namespace", "calibration"]
-    assert lines[2].split()[:2] == ["llama", "active"]
+    assert lines[0].split()[:4] == ["namespace", "calibration", "requires", "one"]
+    assert lines[2].split()[:3] == ["llama", "active", "yes"]  # its own setting
     assert lines[2].endswith("8bit 0.90% <= 1.00%, q4 5.51% <= 6.00%")
-    assert lines[3].split() == ["plain", "none", "-"]
-    assert lines[4].split()[:2] == ["wrong", "quarantined"]
+    assert lines[3].split() == ["plain", "none", "(no)", "-"]  # the shards' setting
+    assert lines[4].split()[:3] == ["wrong", "quarantined", "(no)"]
     assert "  wrong: quarantined: calibration 5d2c0e9e1a7f3b64 was measured on layout" in table
     assert lines[-1] == "pages held back by calibrations: 24 at a less compact level, 6 kept fp16"
     # shards that disagree (one has not got it yet) say so, naming each
@@ -176,6 +176,14 @@ def test_kvd_status_lists_each_namespaces_calibration_state_and_the_budgets_met(
                                ("shard-1", shard("q4", 0.5, **behind))]).splitlines()
     assert mixed[2].split()[0] == "llama" and "mixed: shard-0 active, shard-1 none" in mixed[2]
     assert calibration_table([("shard-0", shard("q4", 0.5))]) == ""  # no namespace reported: no table
+    # shards whose own setting differs, and a shard older than protocol 1.8 (neither key)
+    required = {**CALIBRATED, "require_calibration": True}
+    differ = calibration_table([("shard-0", shard("q4", 0.5, **CALIBRATED)),
+                                ("shard-1", shard("q4", 0.5, **required))]).splitlines()
+    assert differ[3].split()[:3] == ["plain", "none", "(mixed)"]
+    old = {k: v for k, v in CALIBRATED.items() if k not in ("calibration_required", "require_calibration")}
+    assert calibration_table([("shard-0", shard("q4", 0.5, **old))]).splitlines()[3].split()[:3] == [
+        "plain", "none", "-"]
 
 
 def test_the_exporter_counts_pages_held_back_by_calibration() -> None:

@@ -199,6 +199,62 @@ def test_require_per_namespace_overrides_the_store() -> None:
     assert {pages.header(e[2]).level for e in s.get_pages(NS, 1)} == {"fp16"}
 
 
+def test_the_append_notice_is_the_reason_a_namespace_needs_a_calibration_until_one_fits() -> None:
+    s = store(require_calibration=True, allow_raw_fallback=False)
+    assert s.calibration_notice(NS) == "needs calibration: pages compressed with the default protection"
+    s.calibrate(NS, calibration(layout=(L, H, D + 1)))  # quarantined: it still needs one
+    notice = s.calibration_notice(NS)
+    assert notice is not None and notice.startswith("quarantined: ") and notice.endswith("; needs calibration")
+    assert s.needs_calibration(NS)
+    s.calibrate(NS, calibration())
+    assert s.calibration_notice(NS) is None and not s.needs_calibration(NS)
+    assert s.calibration_notice("unregistered") is None
+    # kept raw instead (fallback), or not required: nothing to report on appends
+    assert store(require_calibration=True).calibration_notice(NS) is None
+    assert store(allow_raw_fallback=False).calibration_notice(NS) is None
+
+
+def test_a_namespaces_own_require_is_set_alone_kept_beside_its_calibration_and_listed() -> None:
+    s = store(allow_raw_fallback=False)
+    s.register("other", num_layers=L, num_kv_heads=H, head_dim=D)
+    state = s.require_calibration_of(NS, True)
+    assert (state["state"], state["required"]) == ("needed", True)
+    assert s.calibration_notice(NS) is not None and s.calibration_notice("other") is None
+    assert s.calibration_state("other")["required"] is False  # the store's setting
+    assert s.calibrate(NS, calibration())["required"] is True  # a calibration keeps the setting
+    state = s.require_calibration_of(NS, False)  # and the setting keeps the calibration
+    assert (state["state"], state["digest"], state["required"]) == ("active", calibration().digest, False)
+    stats = s.stats()
+    assert stats["calibration_required"] == {NS: False} and stats["require_calibration"] is False
+    assert s.calibration_required() == {NS: False}
+    s.calibrate(NS, None)  # no calibration and not required: nothing of its own but the setting
+    assert s.calibration_state(NS)["state"] == "none"
+    s.require_calibration_of(NS, None)  # the store's setting again
+    assert s.calibration_required() == {} and s.stats()["calibration_required"] == {}
+    with pytest.raises(ValueError, match="namespace must be a non-empty str"):
+        s.require_calibration_of("", True)
+
+
+def test_a_namespaces_own_require_survives_a_restart_on_the_disk(tmp_path) -> None:
+    def make() -> Store:
+        return Store(64 * MiB, page_tokens=P, disk_path=str(tmp_path), disk_bytes=64 * MiB,
+                     allow_raw_fallback=False)
+
+    s = make()
+    s.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
+    s.require_calibration_of(NS, True)
+    s.close()
+    s2 = make()
+    assert s2.calibration_required() == {NS: True}  # what a shard hands its coordinator at registration
+    s2.register(NS, num_layers=L, num_kv_heads=H, head_dim=D)
+    assert s2.calibration_state(NS)["state"] == "needed"
+    s2.require_calibration_of(NS, None)  # nothing of its own left: its file goes
+    s2.close()
+    s3 = make()
+    assert s3.calibration_required() == {} and s3.calibrations() == {}
+    s3.close()
+
+
 def test_a_calibration_of_another_layout_is_quarantined_never_applied() -> None:
     s = store()
     state = s.calibrate(NS, calibration(layout=(L, H, 2 * D)))

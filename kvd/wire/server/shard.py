@@ -106,8 +106,9 @@ class ShardServer(RouterServer):
     In a cluster (kvd.cluster.shard): ``incarnation`` (this process's id, told to a ``hello`` that asks and
     checked against an ``append`` that names one), ``on_register`` (called with ``(namespace, (layers,
     kv_heads, head_dim))`` before a ``register`` is applied: makes it cluster-wide; raises to refuse it),
-    ``on_calibrate`` (called with ``(namespace, calibration)``, a checked :class:`~kvd.calibration.Calibration`,
-    before a ``calibrate`` is applied: makes it cluster-wide), and
+    ``on_calibrate`` (called with ``(namespace, calibration, require)``, a checked
+    :class:`~kvd.calibration.Calibration` or None and the namespace's own ``require_calibration`` or None, before
+    a ``calibrate`` is applied: makes it cluster-wide), and
     :meth:`set_routing` (the topology whose ownership the shard enforces: WrongShard for another's sequence),
     ``starting`` (data operations are answered Busy until :meth:`open_for_data`: a restarted shard first learns
     the cluster's namespaces, so its lost sequences are UnknownSequence, never UnknownNamespace).
@@ -124,7 +125,7 @@ class ShardServer(RouterServer):
                  heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S,
                  linger_s: float = DEFAULT_LINGER_S, recycle_memory: bool = True, incarnation: str | None = None,
                  on_register: Callable[[str, tuple[int, int, int]], None] | None = None,
-                 on_calibrate: Callable[[str, Any], None] | None = None,
+                 on_calibrate: Callable[[str, Any, bool | None], None] | None = None,
                  starting: bool = False, socket_buffer_bytes: int | None = None,
                  max_peer_requests: int = DEFAULT_MAX_PEER_REQUESTS, max_reply_bytes: int | None = None,
                  trim_every_s: float = TRIM_EVERY_S) -> None:
@@ -284,16 +285,21 @@ class ShardServer(RouterServer):
     def _on_calibrate(self, req: p.CalibrateRequest) -> p.CalibrateReply:
         from kvd.calibration import from_dict
 
-        cal = from_dict(req.calibration)  # InvalidArgument naming what is wrong; nothing is changed
+        # InvalidArgument naming what is wrong; nothing is changed
+        cal = from_dict(req.calibration) if req.calibration is not None else None
         if req.namespace not in self._store.layouts():
             raise UnknownNamespace(f"namespace {req.namespace!r} is not registered on shard {self._shard_id!r}: "
                                    "register it (its layout) before giving it a calibration")
         if self._on_calibrate_hook is not None:  # cluster-wide first: the coordinator keeps it with the namespace
-            self._on_calibrate_hook(req.namespace, cal)
-        state = self._store.calibrate(req.namespace, cal)
+            self._on_calibrate_hook(req.namespace, cal, req.require)
+        if cal is not None:
+            state = self._store.calibrate(req.namespace, cal, require=req.require)
+        else:  # protocol 1.8: the namespace's own require_calibration, its calibration kept
+            state = self._store.require_calibration_of(req.namespace, req.require)
         return p.CalibrateReply(request_id=req.request_id, state=state["state"], reason=state["reason"],
                                 digest=state.get("digest", ""), model=state.get("model", ""),
-                                levels=state.get("levels"))
+                                levels=state.get("levels"),
+                                required=state["required"] if req.require is not None else None)
 
     def _on_append(self, req: p.AppendRequest) -> p.AppendReply:
         if req.incarnation is not None and req.incarnation != self._incarnation:
@@ -322,6 +328,9 @@ class ShardServer(RouterServer):
         except OnDisk:
             raise ToBulkLane from None
         # the server's own replies from the store's results are valid by construction: no second check
+        if req.notices:  # protocol 1.8: a namespace that needs a calibration says so on every append reply
+            return p.AppendReply.trusted(request_id=req.request_id, length=int(length),
+                                         notice=store.calibration_notice(req.namespace))
         return p.AppendReply.trusted(request_id=req.request_id, length=int(length))
 
     def _on_get(self, req: p.GetRequest) -> p.GetReply | p.GetPagesReply:
