@@ -211,8 +211,8 @@ class _HeldServer(RouterServer):
 @pytest.mark.timeout(120)
 def test_what_a_connection_sent_before_it_left_is_not_run() -> None:
     """Two peers pipeline requests and leave while the loop is busy: one the loop had served before, one it
-    never saw. None of what they sent runs (ZeroMQ still delivers it), and a polite client is answered; a peer
-    that stays is served as before."""
+    never saw. None of what the first sent runs (ZeroMQ still delivers it); the second, unknown until after it
+    left, is served as any peer (a write of a client that sent and left is kept); a polite client is answered."""
     server = _HeldServer()
     server.start()
     ctx = zmq.Context()
@@ -241,8 +241,8 @@ def test_what_a_connection_sent_before_it_left_is_not_run() -> None:
         assert polite.poll(10_000) and p.decode_reply(polite.recv_multipart()).request_id == 5
         while server.metrics()["requests"] < 2 + 2 * n + 1 or server.metrics()["queue_depth"]:
             time.sleep(0.01)  # readiness: every message was taken and nothing is left queued
-        assert [i for i in server.ran if i >= 1000] == []
-        assert server.metrics()["requests_abandoned"] == 2 * n
+        assert [i for i in server.ran if 1000 <= i < 2000] == []
+        assert server.metrics()["requests_abandoned"] >= n  # the first peer's, and the second's once a reply failed
         assert isinstance(request(polite, p.HelloRequest(request_id=6)), p.HelloReply)
     finally:
         server.go.set()

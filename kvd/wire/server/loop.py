@@ -31,7 +31,9 @@ connection start in the order received; and the memory held by received requests
 naming the connection's socket inode, and the loop knows the inode of every connection it took a message from
 (read once, at its first message, while the descriptor is still that connection's). The requests still queued
 for it are dropped unexecuted, and so is everything it sent before leaving that ZeroMQ still delivers
-(``requests_abandoned``): nobody would read their replies. Learned only from a failed reply (EHOSTUNREACH, which
+(``requests_abandoned``): nobody would read their replies. (A connection that left before the loop saw any
+of its messages is served as before: a client that sends an append and closes keeps its write.) Learned only
+from a failed reply (EHOSTUNREACH, which
 ZeroMQ gives once the departed peer's pipe is read to its end; until then a reply gets EAGAIN, like one to a
 slow reader), a client that pipelines 1 MiB gets and leaves, again and again, kept every such connection in the
 rotation with a get built for nobody, and the shard stalled for everyone well after the flood
@@ -643,15 +645,15 @@ class RouterServer:
         if ident in self._peer_inode:
             return False
         # Its first message: while a connection lasts, the descriptor its messages carry is its own socket. Closed
-        # (or another kind of file now): it left. Another socket now (the number reused): the connection is taken
-        # for that one, and its departure is then learned late (from a failed reply), never early.
+        # already (or another kind of file now): it left before the loop saw it, and is served as before (its
+        # writes run; a reply finds it gone); nothing is recorded. Another socket now (the number reused): the
+        # connection is taken for that one, and its departure is then learned late, never early.
         try:
             st = os.fstat(fd)
         except OSError:
-            st = None
-        if st is None or not stat.S_ISSOCK(st.st_mode):
-            self._gone_peer(ident)
-            return True
+            return False
+        if not stat.S_ISSOCK(st.st_mode):
+            return False
         peer_inode = self._peer_inode
         if len(peer_inode) >= KNOWN_PEERS_MAX:
             self._forget_peer(next(iter(peer_inode)))
