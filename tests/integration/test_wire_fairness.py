@@ -242,7 +242,7 @@ def test_what_a_connection_sent_before_it_left_is_not_run() -> None:
         while server.metrics()["requests"] < 2 + 2 * n + 1 or server.metrics()["queue_depth"]:
             time.sleep(0.01)  # readiness: every message was taken and nothing is left queued
         assert [i for i in server.ran if 1000 <= i < 2000] == []
-        assert server.metrics()["requests_abandoned"] >= n  # the first peer's, and the second's once a reply failed
+        assert server.metrics()["requests_abandoned"] >= n  # the first peer's; the second's after a reply failed
         assert isinstance(request(polite, p.HelloRequest(request_id=6)), p.HelloReply)
     finally:
         server.go.set()
