@@ -81,8 +81,11 @@ def server() -> Iterator[KvdServer]:
 
 @pytest.fixture(scope="module")
 def first(model_folder: Path, server: KvdServer) -> Iterator[dict[str, Any]]:
-    """A first fp32 engine: PROMPT computed (a miss), its blocks stored, then PROMPT again and OTHER."""
-    eng = Engine(model_folder, server.endpoint)
+    """A first fp32 engine: PROMPT computed (a miss), its blocks stored, then PROMPT again and OTHER. It prefills
+    in chunks (max_num_batched_tokens=128: a block per step, the prompt's blocks completed over several steps,
+    scheduled_cached_reqs), so every test of it also checks that each step saves the blocks it completed; the
+    other engines prefill a prompt in one step."""
+    eng = Engine(model_folder, server.endpoint, llm={"max_num_batched_tokens": 128, "max_num_seqs": 4})
     try:
         miss = eng.generate(PROMPT)[0]
         assert eng.ask({"flush": 30})["flushed"]
@@ -136,22 +139,13 @@ def test_stored_blocks_are_the_models_own_keys_and_values(first: dict[str, Any],
         assert abs(v[layer].astype("float32") - want_v).max() < 2e-2 * max(1.0, float(abs(want_v).max()))
 
 
-def test_a_fresh_engine_process_hits_what_the_first_stored(first: dict[str, Any], model_folder: Path,
-                                                           server: KvdServer) -> None:
-    eng = Engine(model_folder, server.endpoint)
-    try:
-        out = eng.generate(PROMPT)[0]
-    finally:
-        eng.close()
-    assert out["cached"] == first["hit"]["cached"]
-    assert out["token_ids"] == first["miss"]["token_ids"]
-
-
-def test_with_vllms_own_prefix_cache_on_kvd_supplies_what_it_lacks(first: dict[str, Any], model_folder: Path,
-                                                                   server: KvdServer) -> None:
+def test_a_fresh_engine_hits_what_the_first_stored_and_with_vllms_own_prefix_cache_kvd_supplies_what_it_lacks(
+        first: dict[str, Any], model_folder: Path, server: KvdServer) -> None:
+    """A new engine process (prompts prefilled in one step) loads what the first one stored, and with vLLM's own
+    prefix cache on, kvd is asked only for what that cache lacks."""
     eng = Engine(model_folder, server.endpoint, prefix_caching=True)
     try:
-        a = eng.generate(PROMPT)[0]  # vLLM's cache is empty: the blocks come from kvd
+        a = eng.generate(PROMPT)[0]  # a fresh process, vLLM's cache empty: the blocks come from kvd
         b = eng.generate(OTHER)[0]  # the shared blocks are now in vLLM's own cache
         c = eng.generate(PROMPT)[0]  # all of it in vLLM's own cache
         assert eng.ask({"flush": 30})["flushed"]
@@ -181,36 +175,20 @@ def test_another_dtype_or_model_gets_no_hit(first: dict[str, Any], model_folder:
     assert out["cached"] == 0
 
 
-def test_blocks_spilled_to_disk_are_hit_without_any_change_in_the_engine(model_folder: Path,
-                                                                         tmp_path: Path) -> None:
+def test_blocks_spilled_to_disk_are_hit_and_a_kvd_stopped_mid_run_costs_only_recomputation(
+        model_folder: Path, tmp_path: Path) -> None:
     """A store whose memory holds about one block of this model at fp16 spills the prompt's earlier blocks to its
-    disk tier as it saves the later ones; the next request loads every block, those from disk included."""
+    disk tier as it saves the later ones; the next request loads every block, those from disk included, with no
+    change in the engine. Then kvd stops: the engine recomputes, answers the same, and gives its saves up."""
     srv = KvdServer(level="fp16", capacity_bytes=4 << 20, max_level="fp16", disk_path=str(tmp_path),
                     disk_bytes=256 << 20)
     eng = Engine(model_folder, srv.endpoint)
     try:
         miss = eng.generate(PROMPT)[0]
         assert eng.ask({"flush": 30})["flushed"]
-        stats = srv.stats()
-        assert stats["spills"] >= 2 and stats["evictions"] == 0, stats
+        spilled = srv.stats()
         hit = eng.generate(PROMPT)[0]
-    finally:
-        eng.close()
-        stats = srv.stats()
-        srv.stop()
-    full_blocks = (len(miss["prompt_ids"]) - 1) // BLOCK
-    assert hit["cached"] == full_blocks * BLOCK  # vLLM's own prefix cache is off: every block came from kvd
-    assert hit["token_ids"] == miss["token_ids"]  # fp16 blocks, read back from disk bit-exact
-    assert stats["disk_hits"] >= 2 and stats["disk_reads"] >= 2
-
-
-def test_kvd_stopped_mid_run_the_engine_recomputes_and_answers(model_folder: Path) -> None:
-    srv = KvdServer(level="fp16")
-    eng = Engine(model_folder, srv.endpoint)
-    try:
-        ref = eng.generate(PROMPT)[0]
-        assert eng.ask({"flush": 30})["flushed"]
-        assert eng.generate(PROMPT)[0]["cached"] > 0
+        read = srv.stats()
         srv.stop()
         after = eng.generate(PROMPT, OTHER)
         assert eng.ask({"flush": 30})["flushed"]  # the saves it tried are given up, not stuck
@@ -218,7 +196,12 @@ def test_kvd_stopped_mid_run_the_engine_recomputes_and_answers(model_folder: Pat
     finally:
         eng.close()
         srv.stop()
-    assert after[0]["cached"] == 0 and after[0]["token_ids"] == ref["token_ids"]
+    assert spilled["spills"] >= 2 and spilled["evictions"] == 0, spilled
+    full_blocks = (len(miss["prompt_ids"]) - 1) // BLOCK
+    assert hit["cached"] == full_blocks * BLOCK  # vLLM's own prefix cache is off: every block came from kvd
+    assert hit["token_ids"] == miss["token_ids"]  # fp16 blocks, read back from disk bit-exact
+    assert read["disk_hits"] >= 2 and read["disk_reads"] >= 2, read
+    assert after[0]["cached"] == 0 and after[0]["token_ids"] == miss["token_ids"]
     assert after[1]["cached"] == 0 and len(after[1]["token_ids"]) == 24
     # A dead kvd costs one timeout, then the link is down and the other saves fail at once: fewer calls waited
     # for the timeout than saves were given up (a link that waited on every save would make them equal).
@@ -296,19 +279,3 @@ def test_blocks_stored_compressed_load_within_the_levels_error(sync_engine: tupl
     lw, lg = lw - np.logaddexp.reduce(lw), lg - np.logaddexp.reduce(lg)  # both renormalised over those tokens
     kl = float(np.sum(np.exp(lw) * (lw - lg)))
     assert 0 <= kl <= LEVEL_KL[level], kl
-
-
-def test_a_prompt_prefilled_in_chunks_is_saved_whole(model_folder: Path) -> None:
-    """max_num_batched_tokens=128: the prompt's blocks are computed over several steps (scheduled_cached_reqs)
-    and each step saves the blocks it completed."""
-    srv = KvdServer(level="fp16")
-    eng = Engine(model_folder, srv.endpoint, llm={"max_num_batched_tokens": 128, "max_num_seqs": 4})
-    try:
-        miss = eng.generate(PROMPT)[0]
-        assert eng.ask({"flush": 30})["flushed"]
-        hit = eng.generate(PROMPT)[0]
-    finally:
-        eng.close()
-        srv.stop()
-    assert miss["cached"] == 0 and hit["cached"] == (len(hit["prompt_ids"]) - 1) // BLOCK * BLOCK
-    assert hit["token_ids"] == miss["token_ids"]
