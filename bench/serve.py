@@ -205,25 +205,42 @@ def popen(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[An
                             preexec_fn=lambda: os.nice(19))
 
 
+ENDPOINT_LINE = re.compile(r"^kvd endpoint: (tcp://\S+)$", re.MULTILINE)
+
+
+def kvd_endpoint(log_text: str) -> str | None:
+    """The client endpoint ``kvd up`` printed (its ``kvd endpoint: ...`` line), or None before it did."""
+    m = ENDPOINT_LINE.search(log_text)
+    return m.group(1) if m else None
+
+
 class Kvd:
-    """``python -m kvd up`` with one shard of ``budget`` bytes, fresh."""
+    """``python -m kvd up`` with one shard of ``budget`` bytes, fresh. It binds a port of its own choosing
+    (``--port 0``) and the bench reads the endpoint it prints: a port picked here and handed over could be taken
+    by one of the processes the embedded Ray starts first (it was: "Address already in use")."""
+
+    _started = 0
 
     def __init__(self, budget: int, workdir: Path) -> None:
-        self.port = free_port()
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        Kvd._started += 1
         self.log = workdir / "kvd.log"
         self.proc = popen([sys.executable, "-m", "kvd", "up", "--shards", "1", "--memory", str(budget),
-                           "--port", str(self.port), "--namespace", f"serve-bench-{self.port}", "--quiet"],
+                           "--port", "0", "--namespace", f"serve-bench-{os.getpid()}-{Kvd._started}", "--quiet"],
                           self.log, niced_env())
         from kvd.client import Client
 
         deadline = time.monotonic() + 180
+        endpoint = None
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvd up ended ({self.proc.returncode}); log: {self.log}")
+            endpoint = endpoint or kvd_endpoint(self.log.read_text(errors="replace"))
             try:
-                with Client(self.endpoint, timeout_s=2.0) as c:
+                if endpoint is None:
+                    raise RuntimeError(f"kvd up printed no endpoint in 180 s; log: {self.log}")
+                with Client(endpoint, timeout_s=2.0) as c:
                     c.stats()
+                self.endpoint = endpoint
                 return
             except Exception:
                 if time.monotonic() > deadline:

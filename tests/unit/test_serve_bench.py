@@ -78,3 +78,13 @@ def test_the_chat_drivers_percentiles_are_nearest_rank() -> None:
     assert run.ttft_p99_ms == pytest.approx(99.0)
     assert run.ttft_mean_ms == pytest.approx(50.5)
     assert run.rps == pytest.approx(10.0)
+
+
+def test_the_kvd_endpoint_is_read_from_what_kvd_up_printed() -> None:
+    """The bench starts `kvd up --port 0` and takes the endpoint from its output, not a port it picked itself
+    (the embedded Ray's processes took such a port first)."""
+    log = ("2026-11-28 20:05:29,094\tWARNING authentication_token_setup.py:85 -- Token authentication ...\n"
+           "kvd 0.1.0: starting 1 shards x 64.00MiB on an embedded Ray (namespace 'serve-bench-7-1') ...\n")
+    assert serve.kvd_endpoint(log) is None  # not yet
+    assert serve.kvd_endpoint(log + "kvd endpoint: tcp://127.0.0.1:40331\nCtrl-C stops kvd\n") == \
+        "tcp://127.0.0.1:40331"
