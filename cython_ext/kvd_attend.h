@@ -35,6 +35,23 @@ typedef void (*kvd_attend_tile_fn)(const kvd_attend_state *st, const uint16_t *k
 
 /* ---- portable C ---------------------------------------------------------------------------------------- */
 
+/* The online-softmax update of query t, head h over its scores sc[0 .. lim): sc becomes the weights
+ * exp(s - m'), m and l move on; returns alpha = exp(m - m'), the rescale of the head's accumulator. */
+static float kvd_attend_softmax_scalar(const kvd_attend_state *st, int64_t t, int64_t h, float *sc, int64_t lim) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < lim; j++) mx = sc[j] > mx ? sc[j] : mx;
+    float *mp = st->m + t * st->hq + h, *lp = st->l + t * st->hq + h;
+    const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < lim; j++) {
+        sc[j] = expf(sc[j] - top);
+        sum += sc[j];
+    }
+    *lp = *lp * alpha + sum;
+    *mp = top;
+    return alpha;
+}
+
 static void kvd_attend_tile_scalar(const kvd_attend_state *st, const uint16_t *k, const uint16_t *v, int64_t n,
                                    int64_t token0) {
     const int64_t hq = st->hq, d = st->d, g = hq / st->hkv, hd = st->hkv * d;
@@ -46,25 +63,16 @@ static void kvd_attend_tile_scalar(const kvd_attend_state *st, const uint16_t *k
         for (int64_t h = 0; h < hq; h++) {
             const float *qv = st->q + (t * hq + h) * d;
             const uint16_t *kb = k + (h / g) * d, *vb = v + (h / g) * d;
-            float mx = -INFINITY;
             for (int64_t j = 0; j < lim; j++) {
                 float s = 0.0f;
                 for (int64_t c = 0; c < d; c++) s += qv[c] * kvd_h2f(kb[j * hd + c]);
                 sc[j] = s;
-                if (s > mx) mx = s;
             }
-            float *mp = st->m + t * hq + h, *lp = st->l + t * hq + h, *ap = st->acc + (t * hq + h) * d;
-            const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
-            float sum = 0.0f;
-            for (int64_t j = 0; j < lim; j++) {
-                sc[j] = expf(sc[j] - top);
-                sum += sc[j];
-            }
-            *lp = *lp * alpha + sum;
+            const float alpha = kvd_attend_softmax_scalar(st, t, h, sc, lim);
+            float *ap = st->acc + (t * hq + h) * d;
             for (int64_t c = 0; c < d; c++) ap[c] *= alpha;
             for (int64_t j = 0; j < lim; j++)
                 for (int64_t c = 0; c < d; c++) ap[c] += sc[j] * kvd_h2f(vb[j * hd + c]);
-            *mp = top;
         }
     }
 }
@@ -97,6 +105,29 @@ KVD_I256 float kvd256_hsum(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
+/* kvd_attend_softmax_scalar with the polynomial exp on 8 scores at a time */
+KVD_I256 float kvd_attend_softmax_avx2(const kvd_attend_state *st, int64_t t, int64_t h, float *sc, int64_t lim) {
+    float *mp = st->m + t * st->hq + h, *lp = st->l + t * st->hq + h, mx = -INFINITY;
+    for (int64_t j = 0; j < lim; j++) mx = sc[j] > mx ? sc[j] : mx;
+    const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= lim; j += 8) {
+        const __m256 p = kvd256_exp(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vtop));
+        _mm256_storeu_ps(sc + j, p);
+        vsum = _mm256_add_ps(vsum, p);
+    }
+    float sum = kvd256_hsum(vsum);
+    for (; j < lim; j++) {
+        sc[j] = expf(sc[j] - top);
+        sum += sc[j];
+    }
+    *lp = *lp * alpha + sum;
+    *mp = top;
+    return alpha;
+}
+
 /* Scores, softmax update and values of query t's heads h0 .. h0 + NB - 1, which share the KV head whose rows
  * start at kb / vb: each key and value row is loaded and converted once for the NB heads. NB is a constant at
  * each call (kvd_attend_tile_avx2), so the head loops unroll and the accumulators stay in registers. */
@@ -127,27 +158,7 @@ KVD_I256 void kvd_attend_group_avx2(const kvd_attend_state *st, int64_t t, int64
     }
     /* the softmax update of each head, as in the tile of one head */
     float alpha[KVD_ATTEND_GROUP];
-    for (int b = 0; b < NB; b++) {
-        float *mp = st->m + t * hq + h0 + b, *lp = st->l + t * hq + h0 + b, mx = -INFINITY;
-        for (int64_t j = 0; j < lim; j++) mx = sc[b][j] > mx ? sc[b][j] : mx;
-        const float top = mx > *mp ? mx : *mp;
-        alpha[b] = expf(*mp - top);
-        const __m256 vtop = _mm256_set1_ps(top);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= lim; j += 8) {
-            const __m256 p = kvd256_exp(_mm256_sub_ps(_mm256_loadu_ps(sc[b] + j), vtop));
-            _mm256_storeu_ps(sc[b] + j, p);
-            vsum = _mm256_add_ps(vsum, p);
-        }
-        float sum = kvd256_hsum(vsum);
-        for (; j < lim; j++) {
-            sc[b][j] = expf(sc[b][j] - top);
-            sum += sc[b][j];
-        }
-        *lp = *lp * alpha[b] + sum;
-        *mp = top;
-    }
+    for (int b = 0; b < NB; b++) alpha[b] = kvd_attend_softmax_avx2(st, t, h0 + b, sc[b], lim);
     /* values: 16 channels of the NB outputs in registers over every token, each value row converted once */
     float *ap[KVD_ATTEND_GROUP];
     for (int b = 0; b < NB; b++) ap[b] = st->acc + (t * hq + h0 + b) * d;
