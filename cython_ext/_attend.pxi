@@ -26,7 +26,8 @@ cdef extern from "kvd_attend.h" nogil:
 
 cdef extern from "kvd_attend_q.h" nogil:
     ctypedef void (*kvd_attend_qtile_fn)(const kvd_attend_state *st, const kvd_page_spec *ks, const uint8_t *kp,
-                                         const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work)
+                                         const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work,
+                                         const uint8_t *next, int64_t next_len)
     int kvd_attend_fused_ok(const kvd_page_spec *ks, const kvd_page_spec *vs, int64_t hkv, int64_t d)
     int64_t kvd_attend_work_floats(int64_t n, int64_t d)
     kvd_attend_qtile_fn kvd_attend_qpick(const kvd_backend *b)
@@ -168,7 +169,9 @@ def attend_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_
                     if rc != KVD_OK:
                         fail = r0 + i
                         break
-                    qfn(&st, specs[2 * i], src[i], specs[2 * i + 1], src[i] + specs[2 * i].size, (r0 + i) * p, work)
+                    qfn(&st, specs[2 * i], src[i], specs[2 * i + 1], src[i] + specs[2 * i].size, (r0 + i) * p, work,
+                        src[i + 1] if i + 1 < n else NULL,
+                        specs[2 * i + 2].size + specs[2 * i + 3].size if i + 1 < n else 0)
                     continue
                 rc = kvd_page_decode(be.b, specs[2 * i], src[i], specs[2 * i].size, kbuf, _page_hash, 0)
                 if rc == KVD_OK:

@@ -24,7 +24,8 @@
 #include "kvd_pagecodec.h"
 
 typedef void (*kvd_attend_qtile_fn)(const kvd_attend_state *st, const kvd_page_spec *ks, const uint8_t *kp,
-                                    const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work);
+                                    const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work,
+                                    const uint8_t *next, int64_t next_len);
 
 /* 1 when the fused tiles read the page pair of key spec ks and value spec vs (hkv heads of d channels) */
 static int kvd_attend_fused_ok(const kvd_page_spec *ks, const kvd_page_spec *vs, int64_t hkv, int64_t d) {
@@ -37,7 +38,7 @@ static int kvd_attend_fused_ok(const kvd_page_spec *ks, const kvd_page_spec *vs,
 /* floats of work space a fused tile needs for pages of n tokens of d channels (value groups of a multiple of 16
  * channels: at most d / 16 of them per row, and a run of 16 channels never crosses a group) */
 static int64_t kvd_attend_work_floats(int64_t n, int64_t d) {
-    return KVD_ATTEND_GROUP * (2 * d + (n + 1) * (d / 16));
+    return KVD_ATTEND_GROUP * (2 * d + (n + 1) * (d / 16) + 8);
 }
 
 /* the sections of a page pair, as the fused tiles read them */
@@ -47,6 +48,8 @@ typedef struct {
     int64_t kg, vg, gv, krow, vrow;           /* key group (tokens), value group (channels), value groups per
                                                  row, bytes per key row (all heads) and per value row */
     int kq4, vq4, rot;
+    const uint8_t *pf;                        /* the next page pair's bytes, read into cache meanwhile */
+    int64_t pf_off, pf_len, pf_step;
 } kvd_attend_page;
 
 static inline kvd_attend_page kvd_attend_sections(const kvd_page_spec *ks, const uint8_t *kp,
@@ -66,6 +69,8 @@ static inline kvd_attend_page kvd_attend_sections(const kvd_page_spec *ks, const
     pg.gv = kvd_ngroups(vs->cols, vs->group);
     pg.krow = pg.kq4 ? (ks->cols + 1) / 2 : ks->cols;
     pg.vrow = pg.vq4 ? (vs->cols + 1) / 2 : vs->cols;
+    pg.pf = NULL;
+    pg.pf_off = pg.pf_len = pg.pf_step = 0;
     return pg;
 }
 
@@ -76,7 +81,9 @@ static inline float kvd_attend_code(const uint8_t *row, int64_t c, int q4) {
 }
 
 static void kvd_attend_qtile_scalar(const kvd_attend_state *st, const kvd_page_spec *ks, const uint8_t *kp,
-                                    const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work) {
+                                    const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work,
+                                    const uint8_t *next, int64_t next_len) {
+    (void)next, (void)next_len;
     const kvd_attend_page pg = kvd_attend_sections(ks, kp, vs, vp);
     const int64_t hq = st->hq, hkv = st->hkv, d = st->d, g = hq / hkv, n = ks->rows, W = hkv * d, G = pg.gv;
     float *sc = st->scores, *qs = work, *o = qs + d, *mg = o + d, *pw = mg + G;
@@ -153,7 +160,7 @@ KVD_I256 __m256 kvd256_hsum8(const __m256 *a) {
 
 /* Scores of query t's heads h0 .. h0 + NB - 1 (KV head kh) for tokens [0, lim), two tokens at a time: each
  * code row is converted once for the NB heads. KQ4 a constant at each call. */
-KVD_I256 void kvd_attend_qscores_avx2(const kvd_attend_state *st, const kvd_attend_page *pg, int64_t t, int64_t h0,
+KVD_I256 void kvd_attend_qscores_avx2(const kvd_attend_state *st, kvd_attend_page *pg, int64_t t, int64_t h0,
                                       const int NB, int64_t kh, int64_t lim, float *const *sc, float *const *qs,
                                       const int KQ4) {
     const int64_t hq = st->hq, d = st->d, W = st->hkv * d, c0 = kh * d;
@@ -175,6 +182,9 @@ KVD_I256 void kvd_attend_qscores_avx2(const kvd_attend_state *st, const kvd_atte
         int64_t j = j0;
         for (; j + 2 <= j1; j += 2) {
             const uint8_t *r0 = pg->kd + j * pg->krow, *r1 = r0 + pg->krow;
+            /* a few lines of the next page pair: by the time its checksum reads it, it is in cache */
+            for (int64_t e = pg->pf_off + pg->pf_step; pg->pf_off < e && pg->pf_off < pg->pf_len; pg->pf_off += 64)
+                _mm_prefetch((const char *)(pg->pf + pg->pf_off), _MM_HINT_T1);
             __m256 a[2 * KVD_ATTEND_GROUP];
             for (int b = 0; b < 2 * KVD_ATTEND_GROUP; b++) a[b] = _mm256_setzero_ps();
             for (int64_t c = 0; c < d; c += 16) {
@@ -236,7 +246,7 @@ KVD_I256 void kvd_attend_qvalues_avx2(const kvd_attend_state *st, const kvd_atte
 }
 
 /* scores, softmax update and values of query t's heads h0 .. h0 + NB - 1 (KV head kh) over one page pair */
-KVD_I256 void kvd_attend_qgroup_avx2(const kvd_attend_state *st, const kvd_attend_page *pg, int64_t t, int64_t h0,
+KVD_I256 void kvd_attend_qgroup_avx2(const kvd_attend_state *st, kvd_attend_page *pg, int64_t t, int64_t h0,
                                      const int NB, int64_t kh, int64_t lim, float *work) {
     const int64_t hq = st->hq, hkv = st->hkv, d = st->d, G = pg->gv;
     float *sc[KVD_ATTEND_GROUP], *qs[KVD_ATTEND_GROUP], *o[KVD_ATTEND_GROUP], *mg[KVD_ATTEND_GROUP],
@@ -246,7 +256,7 @@ KVD_I256 void kvd_attend_qgroup_avx2(const kvd_attend_state *st, const kvd_atten
         qs[b] = work + b * d;
         o[b] = work + (KVD_ATTEND_GROUP + b) * d;
         mg[b] = work + 2 * KVD_ATTEND_GROUP * d + b * G;
-        pw[b] = work + 2 * KVD_ATTEND_GROUP * d + KVD_ATTEND_GROUP * G + b * lim * G;
+        pw[b] = work + 2 * KVD_ATTEND_GROUP * d + KVD_ATTEND_GROUP * G + b * (lim * G + 8);
     }
     if (pg->kq4)
         kvd_attend_qscores_avx2(st, pg, t, h0, NB, kh, lim, sc, qs, 1);
@@ -254,16 +264,41 @@ KVD_I256 void kvd_attend_qgroup_avx2(const kvd_attend_state *st, const kvd_atten
         kvd_attend_qscores_avx2(st, pg, t, h0, NB, kh, lim, sc, qs, 0);
     float alpha[KVD_ATTEND_GROUP];
     for (int b = 0; b < NB; b++) alpha[b] = kvd_attend_softmax_avx2(st, t, h0 + b, sc[b], lim);
-    /* the weights times each token's value scales; at q4 the min term of each value group */
-    for (int b = 0; b < NB; b++)
-        for (int64_t gi = 0; gi < G; gi++) mg[b][gi] = 0.0f;
-    for (int64_t j = 0; j < lim; j++) {
-        const int64_t r = (j * hkv + kh) * G;
-        for (int64_t gi = 0; gi < G; gi++) {
-            const float s = kvd256_h2f(pg->vs[r + gi]), m = pg->vq4 ? kvd256_h2f(pg->vm[r + gi]) : 0.0f;
+    /* the weights times each token's value scales (pw); at q4 the min term of each value group (mg): the G <= 8
+     * scales of a token as one vector (a token's 8 lanes overlap the next token's, written in order; each
+     * head's pw ends with room for the last 8) */
+    if (G <= 8) {
+        __m256 am[KVD_ATTEND_GROUP];
+        for (int b = 0; b < NB; b++) am[b] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < lim; j++) {
+            const int64_t r = (j * hkv + kh) * G;
+            uint16_t s16[8] = {0}, m16[8] = {0};
+            memcpy(s16, pg->vs + r, (size_t)G * 2);
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s16));
+            if (pg->vq4) memcpy(m16, pg->vm + r, (size_t)G * 2);
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m16));
             for (int b = 0; b < NB; b++) {
-                pw[b][j * G + gi] = sc[b][j] * s;
-                mg[b][gi] += sc[b][j] * m;
+                const __m256 p = _mm256_broadcast_ss(sc[b] + j);
+                _mm256_storeu_ps(pw[b] + j * G, _mm256_mul_ps(p, s));
+                am[b] = _mm256_fmadd_ps(p, m, am[b]);
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            float m8[8];
+            _mm256_storeu_ps(m8, am[b]);
+            for (int64_t gi = 0; gi < G; gi++) mg[b][gi] = m8[gi];
+        }
+    } else {
+        for (int b = 0; b < NB; b++)
+            for (int64_t gi = 0; gi < G; gi++) mg[b][gi] = 0.0f;
+        for (int64_t j = 0; j < lim; j++) {
+            const int64_t r = (j * hkv + kh) * G;
+            for (int64_t gi = 0; gi < G; gi++) {
+                const float s = kvd256_h2f(pg->vs[r + gi]), m = pg->vq4 ? kvd256_h2f(pg->vm[r + gi]) : 0.0f;
+                for (int b = 0; b < NB; b++) {
+                    pw[b][j * G + gi] = sc[b][j] * s;
+                    mg[b][gi] += sc[b][j] * m;
+                }
             }
         }
     }
@@ -286,9 +321,16 @@ KVD_I256 void kvd_attend_qgroup_avx2(const kvd_attend_state *st, const kvd_atten
 }
 
 KVD_T256 static void kvd_attend_qtile_avx2(const kvd_attend_state *st, const kvd_page_spec *ks, const uint8_t *kp,
-                                           const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work) {
-    const kvd_attend_page pg = kvd_attend_sections(ks, kp, vs, vp);
+                                           const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work,
+                                           const uint8_t *next, int64_t next_len) {
+    kvd_attend_page pg = kvd_attend_sections(ks, kp, vs, vp);
     const int64_t g = st->hq / st->hkv, n = ks->rows;
+    if (next != NULL && n >= 2) { /* spread over the token pairs of the first query's passes */
+        const int64_t pairs = st->hkv * ((g + KVD_ATTEND_GROUP - 1) / KVD_ATTEND_GROUP) * (n / 2);
+        pg.pf = next;
+        pg.pf_len = next_len;
+        pg.pf_step = ((next_len + 63) / 64 + pairs - 1) / pairs * 64;
+    }
     for (int64_t t = 0; t < st->tq; t++) {
         int64_t lim = st->pos[t] - token0 + 1;
         if (lim <= 0) continue;
