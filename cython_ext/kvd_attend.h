@@ -4,8 +4,8 @@
  * the unnormalised output acc[D] of softmax(q . k_j) v_j over the tokens seen so far; q is float32 and already
  * scaled. A tile holds n tokens at positions token0 .. token0 + n - 1 (k, v: float16 [n, Hkv, D], C order);
  * query t sees those at positions <= pos[t]; query head h reads KV head h / (Hq / Hkv) (grouped-query).
- * The store decodes each page into a one-page scratch with the codec's kernels and calls a tile on it, so the
- * tile reads from cache whatever the page's level.
+ * A q8 / q4 page pair is read as stored by the fused tiles of kvd_attend_q.h; any other page is decoded into a
+ * one-page scratch with the codec's kernels and read from cache by the float16 tile here.
  *
  * Not bit-identical to the numpy twin (kvd.codec.attend.tile_reference): sums run in another order and the
  * AVX2 exp is a polynomial (Cephes' expf, relative error < 2e-7). Every value that enters is finite (pages hold
@@ -105,14 +105,21 @@ KVD_I256 float kvd256_hsum(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
-/* kvd_attend_softmax_scalar with the polynomial exp on 8 scores at a time */
+/* kvd_attend_softmax_scalar on 8 scores at a time (the maximum, the polynomial exp) */
 KVD_I256 float kvd_attend_softmax_avx2(const kvd_attend_state *st, int64_t t, int64_t h, float *sc, int64_t lim) {
-    float *mp = st->m + t * st->hq + h, *lp = st->l + t * st->hq + h, mx = -INFINITY;
-    for (int64_t j = 0; j < lim; j++) mx = sc[j] > mx ? sc[j] : mx;
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= lim; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float mx = _mm_cvtss_f32(m4);
+    for (; j < lim; j++) mx = sc[j] > mx ? sc[j] : mx;
+    float *mp = st->m + t * st->hq + h, *lp = st->l + t * st->hq + h;
     const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 vsum = _mm256_setzero_ps();
-    int64_t j = 0;
+    j = 0;
     for (; j + 8 <= lim; j += 8) {
         const __m256 p = kvd256_exp(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vtop));
         _mm256_storeu_ps(sc + j, p);
@@ -219,7 +226,6 @@ KVD_T256 static void kvd_attend_tile_avx2(const kvd_attend_state *st, const uint
             const float *qv = st->q + (t * hq + h) * d;
             const uint16_t *kb = k + (h / g) * d, *vb = v + (h / g) * d;
             /* scores, two tokens at a time (two independent FMA chains) */
-            __m256 vmx = _mm256_set1_ps(-INFINITY);
             int64_t j = 0;
             for (; j + 2 <= lim; j += 2) {
                 const uint16_t *k0 = kb + j * hd, *k1 = k0 + hd;
@@ -247,30 +253,8 @@ KVD_T256 static void kvd_attend_tile_avx2(const kvd_attend_state *st, const uint
                 for (; c < d; c++) s0 += qv[c] * kvd256_h2f(k0[c]);
                 sc[j] = s0;
             }
-            j = 0;
-            for (; j + 8 <= lim; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + j));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            float mx = _mm_cvtss_f32(m4);
-            for (; j < lim; j++) mx = sc[j] > mx ? sc[j] : mx;
-            float *mp = st->m + t * hq + h, *lp = st->l + t * hq + h, *ap = st->acc + (t * hq + h) * d;
-            const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
-            /* weights */
-            const __m256 vtop = _mm256_set1_ps(top);
-            __m256 vsum = _mm256_setzero_ps();
-            j = 0;
-            for (; j + 8 <= lim; j += 8) {
-                const __m256 p = kvd256_exp(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vtop));
-                _mm256_storeu_ps(sc + j, p);
-                vsum = _mm256_add_ps(vsum, p);
-            }
-            float sum = kvd256_hsum(vsum);
-            for (; j < lim; j++) {
-                sc[j] = expf(sc[j] - top);
-                sum += sc[j];
-            }
-            *lp = *lp * alpha + sum;
+            const float alpha = kvd_attend_softmax_avx2(st, t, h, sc, lim);
+            float *ap = st->acc + (t * hq + h) * d;
             /* values: 32 channels at a time held in registers over every token */
             const __m256 va = _mm256_set1_ps(alpha);
             int64_t c = 0;
@@ -302,7 +286,6 @@ KVD_T256 static void kvd_attend_tile_avx2(const kvd_attend_state *st, const uint
                 for (int64_t jj = 0; jj < lim; jj++) o += sc[jj] * kvd256_h2f(vb[jj * hd + c]);
                 ap[c] = o;
             }
-            *mp = top;
         }
     }
 }
