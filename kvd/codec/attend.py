@@ -44,6 +44,8 @@ COMPILED: bool = _BACKEND is not None and hasattr(_ext, "attend_tile")
 # the run over records needs the page codec in C too (its checksum function: kvd.codec.batch)
 RUN: bool = COMPILED and batch.ENABLED
 TILE_KERNEL: str = _ext.attend_kernel(_BACKEND) if COMPILED else "reference"  # "avx2", "scalar" or "reference"
+# q8 / q4 page pairs read as stored by the fused tiles; False decodes every page first (bench/attend.py's baseline)
+FUSED: bool = True
 
 
 class State:
@@ -114,4 +116,4 @@ def run(state: State, recs: list[Any], r0: int, r1: int, specs_by_code: tuple[An
     its format, or bytes that do not match it: fold that one in through :mod:`kvd.codec.pages` and go on).
     Only when :data:`RUN`."""
     return int(_ext.attend_run(_BACKEND, recs, r0, r1, specs_by_code, code_from_end, state.q, state.pos,
-                               state.m, state.l, state.acc, kscratch, vscratch))
+                               state.m, state.l, state.acc, kscratch, vscratch, FUSED))
