@@ -6,7 +6,8 @@
 2. Scan speed, in one process: one decode query (T_q = 1, 32 query heads) over N tokens of one layer of the
    7B-class layout (8 KV heads x 128 dims) at fp16 / q8 / q4: stored K+V bytes scanned per second, against one
    numpy.copyto of the same number of bytes into a reused buffer, timed in the same rounds (the ratio is the
-   goal: >= 0.5x).
+   goal: >= 0.5x); and the same query with the fused q8 / q4 tiles off (every page decoded into an fp16
+   scratch first), the baseline they replace.
 3. Through a shard (a ShardServer in another process, loopback): time per query of ``Client.attend`` against
    ``get(format="pages")`` + client decode + float32 attention over the result, and the bytes each moves on the
    wire (the pages reply's frames; the attend request's query frame and reply's out and lse frames, headers
@@ -96,11 +97,21 @@ def correctness() -> None:
         print(f"| {level} | {worst:.2e} | {worst_raw:.2e} |")
 
 
+def decoded_first(store: Store, q: np.ndarray) -> None:
+    """The attend of the scan with the fused tiles off: every page decoded into an fp16 scratch, then read."""
+    kernel.FUSED = False
+    try:
+        store.attend(NS, "s", 0, q)
+    finally:
+        kernel.FUSED = True
+
+
 def scan_speed(token_counts: list[int], repeats: int) -> None:
     print(f"\n## scan speed, in process: T_q=1, {HQ} query heads, one layer of {H} KV heads x {D}; tile kernel "
           f"{kernel.TILE_KERNEL}, codec kernels {kernels.BACKEND}")
-    print("| tokens | level | stored K+V MiB | attend ms | GB/s scanned | copyto GB/s | ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | level | stored K+V MiB | attend ms | GB/s scanned | copyto GB/s | ratio "
+          "| decode-then-tile ms |")
+    print("|---|---|---|---|---|---|---|---|")
     q = np.random.default_rng(9).standard_normal((1, HQ, D)).astype(np.float32)
     for tokens in token_counts:
         for level in ("fp16", "q8", "q4"):
@@ -108,10 +119,12 @@ def scan_speed(token_counts: list[int], repeats: int) -> None:
             nbytes = stored_bytes(store)
             src = np.ones(nbytes, np.uint8)
             dst = np.empty_like(src)
-            t_att, t_copy = medians([lambda st=store: st.attend(NS, "s", 0, q),
-                                     lambda d=dst, s=src: np.copyto(d, s)], repeats)
+            t_att, t_copy, t_dec = medians([lambda st=store: st.attend(NS, "s", 0, q),
+                                            lambda d=dst, s=src: np.copyto(d, s),
+                                            lambda st=store: decoded_first(st, q)], repeats)
             print(f"| {tokens} | {level} | {nbytes / 2**20:.1f} | {t_att * 1e3:.2f} | "
-                  f"{nbytes / t_att / 1e9:.2f} | {nbytes / t_copy / 1e9:.2f} | {t_copy / t_att:.2f}x |")
+                  f"{nbytes / t_att / 1e9:.2f} | {nbytes / t_copy / 1e9:.2f} | {t_copy / t_att:.2f}x | "
+                  f"{t_dec * 1e3:.2f} |")
             del store, src, dst
 
 

@@ -1,6 +1,7 @@
 # Attention over pages (kvd/codec/attend.py): the tile kernel of kvd_attend.h on float16 keys and values, and a
-# run over a layer's records that decodes each page into a scratch page with the page codec and folds it in, in
-# C with the GIL released. Included by _kernels.pyx, after _pagecodec.pxi (its PageSpec and checksum).
+# run over a layer's records in C with the GIL released: a q8 / q4 page pair is read as stored by the fused tile
+# of kvd_attend_q.h, any other page is decoded into a scratch page with the page codec and folded in by the
+# float16 tile. Included by _kernels.pyx, after _pagecodec.pxi (its PageSpec and checksum).
 #
 # The arrays come from kvd.codec.attend, which builds them: a mismatch raises ValueError (a bug, not an input).
 
@@ -21,6 +22,21 @@ cdef extern from "kvd_attend.h" nogil:
     enum: KVD_ATTEND_GROUP
     kvd_attend_tile_fn kvd_attend_pick(const kvd_backend *b)
     const char *kvd_attend_name(const kvd_backend *b)
+
+
+cdef extern from "kvd_attend_q.h" nogil:
+    ctypedef void (*kvd_attend_qtile_fn)(const kvd_attend_state *st, const kvd_page_spec *ks, const uint8_t *kp,
+                                         const kvd_page_spec *vs, const uint8_t *vp, int64_t token0, float *work,
+                                         const uint8_t *next, int64_t next_len)
+    int kvd_attend_fused_ok(const kvd_page_spec *ks, const kvd_page_spec *vs, int64_t hkv, int64_t d)
+    int64_t kvd_attend_work_floats(int64_t n, int64_t d)
+    kvd_attend_qtile_fn kvd_attend_qpick(const kvd_backend *b)
+
+
+def attend_fused(PageSpec ks, PageSpec vs) -> bool:
+    """Whether :func:`attend_run` reads a page pair of key spec ``ks`` and value spec ``vs`` as stored (the fused
+    tile of kvd_attend_q.h) rather than decoding it first."""
+    return bool(kvd_attend_fused_ok(&ks.s, &vs.s, ks.heads, ks.head_dim))
 
 
 def attend_kernel(Backend be) -> str:
@@ -87,9 +103,10 @@ def attend_tile(Backend be, q, pos, m, l, acc, k, v, int64_t token0):
 
 
 def attend_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_by_code, Py_ssize_t code_from_end,
-               q, pos, m, l, acc, kscratch, vscratch) -> int:
+               q, pos, m, l, acc, kscratch, vscratch, bint fused=True) -> int:
     """Fold the full pages of ``recs[r0:r1]`` (one layer; row ``r`` holds positions ``r * P ..``) into the online
-    softmax, each page checked and decoded into ``kscratch`` / ``vscratch`` (float16 ``[P, H, D]``) first. A
+    softmax, each page checked, then read as stored by the fused tile when :func:`attend_fused` (and ``fused``),
+    else decoded into ``kscratch`` / ``vscratch`` (float16 ``[P, H, D]``) and folded in by the float16 tile. A
     record's format code is its byte at ``-code_from_end``, ``specs_by_code[code]`` its ``(key spec, value
     spec)`` or None. Returns -1, or the first row not folded in (no spec, or bytes that do not match it)."""
     cdef Py_ssize_t n = r1 - r0, i, fail = -1, code, size
@@ -114,13 +131,15 @@ def attend_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_
         raise ValueError("attend_run: scratch pages must be C-contiguous float16 [P, H, D]")
     _attend_state(&st, q, pos, m, l, acc, ks.heads, ks.head_dim)
     cdef kvd_attend_tile_fn fn = kvd_attend_pick(be.b)
+    cdef kvd_attend_qtile_fn qfn = kvd_attend_qpick(be.b)
     cdef uint16_t *kbuf = <uint16_t *>_data(kscratch)
     cdef uint16_t *vbuf = <uint16_t *>_data(vscratch)
     cdef const kvd_page_spec **specs = <const kvd_page_spec **>PyMem_Malloc(2 * n * sizeof(void *))
     cdef const uint8_t **src = <const uint8_t **>PyMem_Malloc(n * sizeof(void *))
     st.scores = <float *>PyMem_Malloc(KVD_ATTEND_GROUP * p * sizeof(float))
-    if specs == NULL or src == NULL or st.scores == NULL:
-        PyMem_Free(specs); PyMem_Free(src); PyMem_Free(st.scores)
+    cdef float *work = <float *>PyMem_Malloc(kvd_attend_work_floats(p, st.d) * sizeof(float))
+    if specs == NULL or src == NULL or st.scores == NULL or work == NULL:
+        PyMem_Free(specs); PyMem_Free(src); PyMem_Free(st.scores); PyMem_Free(work)
         raise MemoryError()
     try:
         for i in range(n):
@@ -142,6 +161,18 @@ def attend_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_
             src[i] = <const uint8_t *>PyByteArray_AS_STRING(rec)
         with nogil:
             for i in range(n):
+                if fused and kvd_attend_fused_ok(specs[2 * i], specs[2 * i + 1], st.hkv, st.d):
+                    rc = kvd_page_check(specs[2 * i], src[i], specs[2 * i].size, _page_hash)
+                    if rc == KVD_OK:
+                        rc = kvd_page_check(specs[2 * i + 1], src[i] + specs[2 * i].size, specs[2 * i + 1].size,
+                                            _page_hash)
+                    if rc != KVD_OK:
+                        fail = r0 + i
+                        break
+                    qfn(&st, specs[2 * i], src[i], specs[2 * i + 1], src[i] + specs[2 * i].size, (r0 + i) * p, work,
+                        src[i + 1] if i + 1 < n else NULL,
+                        specs[2 * i + 2].size + specs[2 * i + 3].size if i + 1 < n else 0)
+                    continue
                 rc = kvd_page_decode(be.b, specs[2 * i], src[i], specs[2 * i].size, kbuf, _page_hash, 0)
                 if rc == KVD_OK:
                     rc = kvd_page_decode(be.b, specs[2 * i + 1], src[i] + specs[2 * i].size, specs[2 * i + 1].size,
@@ -151,7 +182,7 @@ def attend_run(Backend be, list recs, Py_ssize_t r0, Py_ssize_t r1, tuple specs_
                     break
                 fn(&st, kbuf, vbuf, p, (r0 + i) * p)
     finally:
-        PyMem_Free(specs); PyMem_Free(src); PyMem_Free(st.scores)
+        PyMem_Free(specs); PyMem_Free(src); PyMem_Free(st.scores); PyMem_Free(work)
     if fail < 0 and n < r1 - r0:
         fail = r0 + n
     return fail

@@ -34,6 +34,7 @@ cdef extern from "kvd_pagecodec.h" nogil:
                            const kvd_page_spec *vs, const uint16_t *vsrc, uint8_t *vdst, kvd_hash_fn hash)
     int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const uint8_t *src, int64_t length,
                         uint16_t *dst, kvd_hash_fn hash, int stream)
+    int kvd_page_check(const kvd_page_spec *s, const uint8_t *src, int64_t length, kvd_hash_fn hash)
 
 
 cdef kvd_hash_fn _page_hash = NULL

@@ -4,8 +4,8 @@
  * the unnormalised output acc[D] of softmax(q . k_j) v_j over the tokens seen so far; q is float32 and already
  * scaled. A tile holds n tokens at positions token0 .. token0 + n - 1 (k, v: float16 [n, Hkv, D], C order);
  * query t sees those at positions <= pos[t]; query head h reads KV head h / (Hq / Hkv) (grouped-query).
- * The store decodes each page into a one-page scratch with the codec's kernels and calls a tile on it, so the
- * tile reads from cache whatever the page's level.
+ * A q8 / q4 page pair is read as stored by the fused tiles of kvd_attend_q.h; any other page is decoded into a
+ * one-page scratch with the codec's kernels and read from cache by the float16 tile here.
  *
  * Not bit-identical to the numpy twin (kvd.codec.attend.tile_reference): sums run in another order and the
  * AVX2 exp is a polynomial (Cephes' expf, relative error < 2e-7). Every value that enters is finite (pages hold
@@ -35,6 +35,23 @@ typedef void (*kvd_attend_tile_fn)(const kvd_attend_state *st, const uint16_t *k
 
 /* ---- portable C ---------------------------------------------------------------------------------------- */
 
+/* The online-softmax update of query t, head h over its scores sc[0 .. lim): sc becomes the weights
+ * exp(s - m'), m and l move on; returns alpha = exp(m - m'), the rescale of the head's accumulator. */
+static float kvd_attend_softmax_scalar(const kvd_attend_state *st, int64_t t, int64_t h, float *sc, int64_t lim) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < lim; j++) mx = sc[j] > mx ? sc[j] : mx;
+    float *mp = st->m + t * st->hq + h, *lp = st->l + t * st->hq + h;
+    const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < lim; j++) {
+        sc[j] = expf(sc[j] - top);
+        sum += sc[j];
+    }
+    *lp = *lp * alpha + sum;
+    *mp = top;
+    return alpha;
+}
+
 static void kvd_attend_tile_scalar(const kvd_attend_state *st, const uint16_t *k, const uint16_t *v, int64_t n,
                                    int64_t token0) {
     const int64_t hq = st->hq, d = st->d, g = hq / st->hkv, hd = st->hkv * d;
@@ -46,25 +63,16 @@ static void kvd_attend_tile_scalar(const kvd_attend_state *st, const uint16_t *k
         for (int64_t h = 0; h < hq; h++) {
             const float *qv = st->q + (t * hq + h) * d;
             const uint16_t *kb = k + (h / g) * d, *vb = v + (h / g) * d;
-            float mx = -INFINITY;
             for (int64_t j = 0; j < lim; j++) {
                 float s = 0.0f;
                 for (int64_t c = 0; c < d; c++) s += qv[c] * kvd_h2f(kb[j * hd + c]);
                 sc[j] = s;
-                if (s > mx) mx = s;
             }
-            float *mp = st->m + t * hq + h, *lp = st->l + t * hq + h, *ap = st->acc + (t * hq + h) * d;
-            const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
-            float sum = 0.0f;
-            for (int64_t j = 0; j < lim; j++) {
-                sc[j] = expf(sc[j] - top);
-                sum += sc[j];
-            }
-            *lp = *lp * alpha + sum;
+            const float alpha = kvd_attend_softmax_scalar(st, t, h, sc, lim);
+            float *ap = st->acc + (t * hq + h) * d;
             for (int64_t c = 0; c < d; c++) ap[c] *= alpha;
             for (int64_t j = 0; j < lim; j++)
                 for (int64_t c = 0; c < d; c++) ap[c] += sc[j] * kvd_h2f(vb[j * hd + c]);
-            *mp = top;
         }
     }
 }
@@ -97,6 +105,36 @@ KVD_I256 float kvd256_hsum(__m256 a) {
     return _mm_cvtss_f32(s);
 }
 
+/* kvd_attend_softmax_scalar on 8 scores at a time (the maximum, the polynomial exp) */
+KVD_I256 float kvd_attend_softmax_avx2(const kvd_attend_state *st, int64_t t, int64_t h, float *sc, int64_t lim) {
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= lim; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float mx = _mm_cvtss_f32(m4);
+    for (; j < lim; j++) mx = sc[j] > mx ? sc[j] : mx;
+    float *mp = st->m + t * st->hq + h, *lp = st->l + t * st->hq + h;
+    const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    j = 0;
+    for (; j + 8 <= lim; j += 8) {
+        const __m256 p = kvd256_exp(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vtop));
+        _mm256_storeu_ps(sc + j, p);
+        vsum = _mm256_add_ps(vsum, p);
+    }
+    float sum = kvd256_hsum(vsum);
+    for (; j < lim; j++) {
+        sc[j] = expf(sc[j] - top);
+        sum += sc[j];
+    }
+    *lp = *lp * alpha + sum;
+    *mp = top;
+    return alpha;
+}
+
 /* Scores, softmax update and values of query t's heads h0 .. h0 + NB - 1, which share the KV head whose rows
  * start at kb / vb: each key and value row is loaded and converted once for the NB heads. NB is a constant at
  * each call (kvd_attend_tile_avx2), so the head loops unroll and the accumulators stay in registers. */
@@ -127,27 +165,7 @@ KVD_I256 void kvd_attend_group_avx2(const kvd_attend_state *st, int64_t t, int64
     }
     /* the softmax update of each head, as in the tile of one head */
     float alpha[KVD_ATTEND_GROUP];
-    for (int b = 0; b < NB; b++) {
-        float *mp = st->m + t * hq + h0 + b, *lp = st->l + t * hq + h0 + b, mx = -INFINITY;
-        for (int64_t j = 0; j < lim; j++) mx = sc[b][j] > mx ? sc[b][j] : mx;
-        const float top = mx > *mp ? mx : *mp;
-        alpha[b] = expf(*mp - top);
-        const __m256 vtop = _mm256_set1_ps(top);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= lim; j += 8) {
-            const __m256 p = kvd256_exp(_mm256_sub_ps(_mm256_loadu_ps(sc[b] + j), vtop));
-            _mm256_storeu_ps(sc[b] + j, p);
-            vsum = _mm256_add_ps(vsum, p);
-        }
-        float sum = kvd256_hsum(vsum);
-        for (; j < lim; j++) {
-            sc[b][j] = expf(sc[b][j] - top);
-            sum += sc[b][j];
-        }
-        *lp = *lp * alpha[b] + sum;
-        *mp = top;
-    }
+    for (int b = 0; b < NB; b++) alpha[b] = kvd_attend_softmax_avx2(st, t, h0 + b, sc[b], lim);
     /* values: 16 channels of the NB outputs in registers over every token, each value row converted once */
     float *ap[KVD_ATTEND_GROUP];
     for (int b = 0; b < NB; b++) ap[b] = st->acc + (t * hq + h0 + b) * d;
@@ -208,7 +226,6 @@ KVD_T256 static void kvd_attend_tile_avx2(const kvd_attend_state *st, const uint
             const float *qv = st->q + (t * hq + h) * d;
             const uint16_t *kb = k + (h / g) * d, *vb = v + (h / g) * d;
             /* scores, two tokens at a time (two independent FMA chains) */
-            __m256 vmx = _mm256_set1_ps(-INFINITY);
             int64_t j = 0;
             for (; j + 2 <= lim; j += 2) {
                 const uint16_t *k0 = kb + j * hd, *k1 = k0 + hd;
@@ -236,30 +253,8 @@ KVD_T256 static void kvd_attend_tile_avx2(const kvd_attend_state *st, const uint
                 for (; c < d; c++) s0 += qv[c] * kvd256_h2f(k0[c]);
                 sc[j] = s0;
             }
-            j = 0;
-            for (; j + 8 <= lim; j += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + j));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            float mx = _mm_cvtss_f32(m4);
-            for (; j < lim; j++) mx = sc[j] > mx ? sc[j] : mx;
-            float *mp = st->m + t * hq + h, *lp = st->l + t * hq + h, *ap = st->acc + (t * hq + h) * d;
-            const float top = mx > *mp ? mx : *mp, alpha = expf(*mp - top);
-            /* weights */
-            const __m256 vtop = _mm256_set1_ps(top);
-            __m256 vsum = _mm256_setzero_ps();
-            j = 0;
-            for (; j + 8 <= lim; j += 8) {
-                const __m256 p = kvd256_exp(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vtop));
-                _mm256_storeu_ps(sc + j, p);
-                vsum = _mm256_add_ps(vsum, p);
-            }
-            float sum = kvd256_hsum(vsum);
-            for (; j < lim; j++) {
-                sc[j] = expf(sc[j] - top);
-                sum += sc[j];
-            }
-            *lp = *lp * alpha + sum;
+            const float alpha = kvd_attend_softmax_avx2(st, t, h, sc, lim);
+            float *ap = st->acc + (t * hq + h) * d;
             /* values: 32 channels at a time held in registers over every token */
             const __m256 va = _mm256_set1_ps(alpha);
             int64_t c = 0;
@@ -291,7 +286,6 @@ KVD_T256 static void kvd_attend_tile_avx2(const kvd_attend_state *st, const uint
                 for (int64_t jj = 0; jj < lim; jj++) o += sc[jj] * kvd256_h2f(vb[jj * hd + c]);
                 ap[c] = o;
             }
-            *mp = top;
         }
     }
 }

@@ -171,18 +171,24 @@ static int kvd_page_encode_kv(const kvd_backend *b, const kvd_page_spec *ks, con
     return rc != KVD_OK ? rc : kvd_page_encode(b, vs, vsrc, vdst, hash, NULL, 0);
 }
 
-/* Check the page at src (len bytes) against the spec (header bytes, length, checksum) and decode it into
- * dst, a C-contiguous float16 [T, H, D]; `stream`: write fp16 pages past the cache (for outputs too large to
- * be read back from it; a reply about to be sent is better left in cache). KVD_CORRUPT (nothing written) when anything does not match: the
- * caller then hands the page to kvd.pages, which decodes any valid page and names what is wrong otherwise. */
-static int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const uint8_t *src, int64_t len,
-                           uint16_t *dst, kvd_hash_fn hash, int stream) {
+/* Check the page at src (len bytes) against the spec (header bytes, length, checksum): KVD_OK or KVD_CORRUPT. */
+static int kvd_page_check(const kvd_page_spec *s, const uint8_t *src, int64_t len, kvd_hash_fn hash) {
     if (len != s->size || memcmp(src, s->head, KVD_SUM_OFFSET) != 0 ||
         memcmp(src + KVD_SUM_OFFSET + 8, s->head + KVD_SUM_OFFSET + 8,
                (size_t)(s->prefix - KVD_SUM_OFFSET - 8)) != 0)
         return KVD_CORRUPT;
     if (hash(src + s->prefix, (size_t)(s->size - s->prefix), s->seed) != kvd_load_le64(src + KVD_SUM_OFFSET))
         return KVD_CORRUPT;
+    return KVD_OK;
+}
+
+/* kvd_page_check, then decode the page into dst, a C-contiguous float16 [T, H, D]; `stream`: write fp16 pages
+ * past the cache (for outputs too large to be read back from it; a reply about to be sent is better left in
+ * cache). KVD_CORRUPT (nothing written) when anything does not match: the caller then hands the page to
+ * kvd.pages, which decodes any valid page and names what is wrong otherwise. */
+static int kvd_page_decode(const kvd_backend *b, const kvd_page_spec *s, const uint8_t *src, int64_t len,
+                           uint16_t *dst, kvd_hash_fn hash, int stream) {
+    if (kvd_page_check(s, src, len, hash) != KVD_OK) return KVD_CORRUPT;
     int64_t n = s->rows, d = s->cols, g = s->group;
     const uint8_t *data = src + s->off_data;
     const uint16_t *scales = (const uint16_t *)(src + s->off_scales);

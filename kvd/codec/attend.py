@@ -1,5 +1,5 @@
-"""Attention over pages as they are stored: one online-softmax pass, each page decoded on the fly into a one-page
-scratch that stays in cache, never an fp16 copy of the range.
+"""Attention over pages as they are stored: one online-softmax pass, q8 / q4 pages read as stored and any other
+page decoded on the fly into a one-page scratch that stays in cache, never an fp16 copy of the range.
 
 Theory of operation
 -------------------
@@ -8,15 +8,19 @@ positions, the running maximum ``m`` and denominator ``l`` ``[T_q, H_q]`` and th
 ``[T_q, H_q, D]`` of flash-decoding's online softmax. :func:`tile` folds one run of tokens (keys and values
 ``[n, H, D]`` float16, the first at position ``token0``) into it: scores, a causal mask, a new maximum, the
 rescale of what was summed so far, and the weighted values. :func:`run` does the same for consecutive full pages
-of one layer straight from the store's records: in C, with the GIL released, each page checked and decoded by the
-page codec of :mod:`kvd.codec.batch` (every level's SIMD decoder) into a scratch page, then folded in by the SIMD
-tile kernel (``cython_ext/kvd_attend.h``: AVX2+FMA+F16C, else portable C). :meth:`State.finish` gives ``(out,
+of one layer straight from the store's records: in C, with the GIL released, each page checked, then a q8 / q4
+page pair (keys by channel, values by token) read as stored by a fused tile that computes from the codes
+(``cython_ext/kvd_attend_q.h``), any other page decoded by the page codec of :mod:`kvd.codec.batch` (every level's
+SIMD decoder) into a scratch page and folded in by the float16 tile (``cython_ext/kvd_attend.h``); both tiles
+AVX2+FMA+F16C, else portable C. :meth:`State.finish` gives ``(out,
 lse)`` (:mod:`kvd.attention`).
 
 The numpy :func:`tile_reference` is the twin and the fallback (``KVD_KERNELS=reference``, or the extension not
 built). Unlike the codec's kernels the compiled tile is not bit-identical to it: its sums run in another order
 and its ``exp`` is a polynomial (relative error under 2e-7), so results agree to float32 rounding, which the tests
-bound. Decoding is exact either way: the pages are decoded by the codec's bit-identical kernels.
+bound. Decoding is exact either way: the pages are decoded by the codec's bit-identical kernels. The fused tiles
+keep code * scale in float32 where a decoded page rounds it to float16, so over q8 / q4 pages the result agrees
+with attention over the decoded pages to float16 rounding (the tests bound it by 1e-3).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ COMPILED: bool = _BACKEND is not None and hasattr(_ext, "attend_tile")
 # the run over records needs the page codec in C too (its checksum function: kvd.codec.batch)
 RUN: bool = COMPILED and batch.ENABLED
 TILE_KERNEL: str = _ext.attend_kernel(_BACKEND) if COMPILED else "reference"  # "avx2", "scalar" or "reference"
+# q8 / q4 page pairs read as stored by the fused tiles; False decodes every page first (bench/attend.py's baseline)
+FUSED: bool = True
 
 
 class State:
@@ -110,4 +116,4 @@ def run(state: State, recs: list[Any], r0: int, r1: int, specs_by_code: tuple[An
     its format, or bytes that do not match it: fold that one in through :mod:`kvd.codec.pages` and go on).
     Only when :data:`RUN`."""
     return int(_ext.attend_run(_BACKEND, recs, r0, r1, specs_by_code, code_from_end, state.q, state.pos,
-                               state.m, state.l, state.acc, kscratch, vscratch))
+                               state.m, state.l, state.acc, kscratch, vscratch, FUSED))

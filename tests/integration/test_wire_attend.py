@@ -57,8 +57,10 @@ def test_attend_round_trips_and_merges(q8_shard: ServerProcess) -> None:
                  for a, b in ((0, 64), (64, 100), (100, 150))]
         whole = c.attend(NS, "s", 1, q, positions=[120, 149], scale=0.3)
         merged = attention.merge(parts)
-        assert np.allclose(merged[0], whole[0], rtol=1e-5, atol=1e-6)
-        assert np.allclose(merged[1], whole[1], rtol=1e-6)
+        # the part (64, 100) cuts a q8 page, which it reads decoded (float16 values); the whole range reads that
+        # page with the fused tile (float32 code * scale): they differ by float16 rounding, within 1e-3
+        assert np.linalg.norm(merged[0] - whole[0]) / np.linalg.norm(whole[0]) < 1e-3
+        assert np.abs(merged[1] - whole[1]).max() < 1e-3
     async def run() -> tuple[np.ndarray, np.ndarray]:
         async with AsyncClient(q8_shard.endpoint, timeout_s=10) as ac:
             return await ac.attend(NS, "s", 1, q)
@@ -127,5 +129,6 @@ def test_a_large_range_runs_on_the_bulk_lane(q8_shard: ServerProcess) -> None:
         assert q8_shard.metrics()["bulk_requests"] > before
         keys, values = c.get("big", "s")
         want = attention.attend(q, keys[0], values[0])
-        assert np.linalg.norm(out - want[0]) / np.linalg.norm(want[0]) < 1e-4
-        assert np.abs(lse - want[1]).max() < 1e-4
+        # fused q8 tiles against float64 over the decoded (float16) pages: float16 rounding, the bound 1e-3
+        assert np.linalg.norm(out - want[0]) / np.linalg.norm(want[0]) < 1e-3
+        assert np.abs(lse - want[1]).max() < 1e-3
