@@ -2,10 +2,11 @@
 
 Theory of operation. Every message validates itself when built, so a message that exists is a valid message.
 Each class lists its header fields as ``(name, check)`` pairs (checks from :mod:`kvd.wire.schema`); the
-generic codec in :mod:`kvd.protocol` turns those fields into a header map and back. The three classes with
-binary frames (:class:`AppendRequest`, :class:`GetReply`, :class:`GetPagesReply`) add their own frame handling
-through ``_payload`` (encoding) and ``_from_payload`` (decoding). Import these names from :mod:`kvd.protocol`,
-the public module, which re-exports them all.
+generic codec in :mod:`kvd.protocol` turns those fields into a header map and back. Fields on the wire only
+when set are declared once, in ``SET_ONLY``; the classes with binary frames (:class:`AppendRequest`,
+:class:`AttendRequest`, :class:`GetReply`, :class:`GetPagesReply`, :class:`AttendReply`) and :class:`GetRequest`'s
+``packed`` add their own handling through ``_payload`` (encoding) and ``_from_payload`` (decoding). Import these
+names from :mod:`kvd.protocol`, the public module, which re-exports them all.
 """
 
 from __future__ import annotations
