@@ -219,13 +219,10 @@ class Kvd:
     (``--port 0``) and the bench reads the endpoint it prints: a port picked here and handed over could be taken
     by one of the processes the embedded Ray starts first (it was: "Address already in use")."""
 
-    _started = 0
-
     def __init__(self, budget: int, workdir: Path) -> None:
-        Kvd._started += 1
         self.log = workdir / "kvd.log"
         self.proc = popen([sys.executable, "-m", "kvd", "up", "--shards", "1", "--memory", str(budget),
-                           "--port", "0", "--namespace", f"serve-bench-{os.getpid()}-{Kvd._started}", "--quiet"],
+                           "--port", "0", "--namespace", f"serve-bench-{workdir.name}", "--quiet"],
                           self.log, niced_env())
         from kvd.client import Client
 
