@@ -209,6 +209,7 @@ class Coordinator:
             recovered_calibrations_version=int(state.get("calibrations_version", 0) or 0),
             recovered_required=recovered_required,
             max_namespaces=self._cluster.max_namespaces,
+            ready_grace_s=self._cluster.ready_grace_s,
         )
         self._namespaces_saved = self._membership.namespace_count  # persisted: every part up to this many
         # (the digest of its calibration, its own require_calibration) of each namespace as persisted

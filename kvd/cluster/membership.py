@@ -82,6 +82,14 @@ _HISTORY_LEN = 64
 _ROUND_TIMEOUT_INTERVALS = 2.0
 
 
+READY_GRACE_STALES = 3.0  # a fresh cluster's ready grace, in stale times
+
+
+def default_stale_after_s(report_interval_s: float) -> float:
+    """After how long without a report a shard is marked down: three report intervals, at least 1 s."""
+    return max(3.0 * report_interval_s, 1.0)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardReport:
     """What a shard tells the coordinator every report interval. Bytes are exact store accounting."""
@@ -242,7 +250,7 @@ class Membership:
         self._policy = policy
         self._mode = pressure_mode
         self._interval_s = float(report_interval_s)
-        self._stale_after_s = float(stale_after_s) if stale_after_s else max(3.0 * self._interval_s, 1.0)
+        self._stale_after_s = float(stale_after_s) if stale_after_s else default_stale_after_s(self._interval_s)
         self._expected = tuple(expected)
         self._started_at = now
         self._lock = threading.Lock()
@@ -256,7 +264,7 @@ class Membership:
         self._crossed_at: dict[float, float] = {}
         self._topology_epoch = int(recovered_topology_epoch)
         # A fresh cluster publishes once every expected shard registered, or after this grace.
-        self.ready_grace_s = float(ready_grace_s) if ready_grace_s else 3.0 * self._stale_after_s
+        self.ready_grace_s = float(ready_grace_s) if ready_grace_s else READY_GRACE_STALES * self._stale_after_s
         for item in recovered_shards:
             # The persisted topology: served at once, under its own epoch, until the shards register again.
             sid, endpoint = str(item["id"]), str(item["endpoint"])

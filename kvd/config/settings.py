@@ -211,6 +211,12 @@ class ClusterSettings:
     report_interval_s: float = _setting(
         0.5, number_in(0.0, 60.0, open_low=True), "seconds between a shard's pressure reports"
     )
+    ready_grace_s: float | None = _setting(
+        None, optional(number_in(0.0, 3600.0, open_low=True)), "seconds a coordinator started without a "
+        "persisted topology (a first start, or its state lost) waits for every shard to register before it "
+        "publishes a topology without the missing ones (clients would route a missing shard's sequences "
+        "elsewhere); unset: 3 x a shard's stale time, max(3 x report_interval_s, 1 s)"
+    )
     pressure_mode: str = _setting(
         "max", choice("sum", "max"), "cluster pressure: max = the fullest shard (a full shard evicts whatever the "
         "others hold), sum = total used / total capacity"
@@ -622,6 +628,7 @@ def remove_run_file(namespace: str, *, pid: int | None = None) -> None:
 def _effective_defaults() -> dict[str, str]:
     """What an unset setting (None) means, where that is a value: the store's own defaults, the policy
     profile's numbers, the sizes derived from this machine. Settings left out have no default (CURVE keys)."""
+    from kvd.cluster.membership import READY_GRACE_STALES, default_stale_after_s
     from kvd.store.core import DEFAULT_PAGE_TOKENS, DEFAULT_SINK_TOKENS, DEFAULT_WINDOW_TOKENS
 
     policy = PolicyConfig.profile(SETTINGS["policy.profile"].default)
@@ -635,6 +642,8 @@ def _effective_defaults() -> dict[str, str]:
         "cluster.memory_bytes": f"{format_size(memory)}*",
         "cluster.shard_reply_bytes": f"{format_size(min(GIB, max(64 * MIB, 4 * (memory // shards))))}*",
         "cluster.num_cpus": f"{max(os.cpu_count() or 1, 1)}*",
+        "cluster.ready_grace_s": repr(READY_GRACE_STALES * default_stale_after_s(
+            SETTINGS["cluster.report_interval_s"].default)),
     }
     for key in ("q8_threshold", "q4_threshold", "hysteresis", "ewma_alpha"):
         out[f"policy.{key}"] = repr(getattr(policy, key))

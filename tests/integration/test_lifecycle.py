@@ -159,8 +159,10 @@ def _poll_topologies(endpoint: str, stop: threading.Event, seen: list[tuple[floa
 def test_a_restarted_coordinator_serves_only_complete_topologies_and_never_reuses_an_epoch(
     make_cluster: Any, state: str,
 ) -> None:
-    # a fixed port: a coordinator that lost its state (and so the port it had picked) binds it again
-    cluster = make_cluster(3, **{"cluster.port": _free_port()})
+    # a fixed port: a coordinator that lost its state (and so the port it had picked) binds it again; a long
+    # ready grace, so that a complete topology comes from every shard registering again, however loaded the host
+    # (the grace itself: test_shard_lifecycle.py)
+    cluster = make_cluster(3, **{"cluster.port": _free_port(), "cluster.ready_grace_s": 60})
     before = topology(cluster)
     assert len(before["shards"]) == 3
     seen: list[tuple[float, Any]] = []

@@ -277,6 +277,31 @@ def test_a_coordinator_publishes_only_saved_complete_topologies_and_serves_them_
 
 @pytest.mark.timeout(60)
 @pytest.mark.usefixtures("no_ray")
+def test_cluster_ready_grace_s_is_how_long_a_coordinator_without_state_waits_for_every_shard() -> None:
+    """Without a persisted topology the coordinator publishes one only when every expected shard registered, or
+    once ``cluster.ready_grace_s`` passed (default 3 x the stale time: 3 s here, with 0.1 s reports)."""
+    from kvd.cluster.coordinator import Coordinator
+    from kvd.config import load_config
+
+    config = load_config(env={}, overrides={"cluster.shards": 2, "cluster.port": 0,
+                                            "cluster.report_interval_s": 0.1, "cluster.ready_grace_s": 30})
+    now = [1000.0]
+    coordinator = Coordinator(config, host="127.0.0.1", kv=MemoryKV(), clock=lambda: now[0])
+    try:
+        coordinator.register("shard-0", "tcp://127.0.0.1:1", "a0")
+        now[0] += 29.0  # ten times the default grace
+        coordinator._persist()  # what housekeeping does every second
+        with pytest.raises(Busy, match="shard-1"):
+            coordinator._client_topology()
+        now[0] += 2.0
+        coordinator._persist()  # what housekeeping does every second
+        assert [s["id"] for s in coordinator._client_topology()["shards"]] == ["shard-0"]
+    finally:
+        coordinator.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_ray")
 def test_a_coordinator_that_lost_its_state_goes_past_the_shards_epochs_and_keeps_broadcasting() -> None:
     from kvd.cluster.coordinator import Coordinator
     from kvd.config import load_config
