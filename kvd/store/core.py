@@ -581,7 +581,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
             seqs, disk = self._seqs, self._disk
             out: list[int | None] = []
             for sid in seq_ids:
-                key = (name, seq_id_arg(sid))
+                key = (name, sid if type(sid) is str else seq_id_arg(sid))
                 seq = seqs.get(key)
                 if seq is not None:
                     out.append(seq.length)

@@ -1272,9 +1272,20 @@ def test_lengths_requests_and_replies_are_bounded_and_checked() -> None:
                        ("abc", "must be an array")):
         with pytest.raises(InvalidArgument, match=match):
             p.LengthsRequest(request_id=1, namespace="n", seq_ids=bad)
+    # every id the per-id check refuses is refused, and named, wherever it sits in a long list (a fast path checks
+    # the usual ASCII strings and plain ints without a call per id)
+    longest = "x" * p.MAX_SEQ_ID_BYTES
+    assert p.LengthsRequest(request_id=1, namespace="n", seq_ids=["", longest, 0, 2**63 - 1]).seq_ids[1] == longest
+    assert p.LengthsRequest(request_id=1, namespace="n", seq_ids=["é" * 512]).seq_ids == ("é" * 512,)
+    for bad in (True, -1, 2**63, 1.0, None, b"a", ["a"], longest + "x", "é" * 513):
+        with pytest.raises((InvalidArgument, ProtocolError), match=r"seq_ids\[4000\]"):
+            p.LengthsRequest(request_id=1, namespace="n", seq_ids=[f"s{i}" for i in range(4000)] + [bad, 1])
     assert p.LengthsReply(request_id=1, lengths=[None, 3]).lengths == (None, 3)
     with pytest.raises(InvalidArgument, match=r"lengths\[0\]"):
         p.LengthsReply(request_id=1, lengths=[-2])
+    for bad in (True, -1, 2**63, 1.0, "3"):
+        with pytest.raises((InvalidArgument, ProtocolError), match=r"lengths\[2\]"):
+            p.LengthsReply(request_id=1, lengths=[None, 5, bad])
     # on the wire: a header naming too many seq_ids is refused as a protocol error, with its id
     frames = p.encode_request(ok)
     header = msgpack.unpackb(bytes(frames[0]))
