@@ -830,6 +830,9 @@ REQUESTS: dict[str, type[_Message]] = {
         TopologyRequest,
     )
 }
+# The requests whose effect is more than their reply: a server runs these for a client that has left since it
+# sent them (fire-and-forget writes are kept); the others' only effect is a reply nobody would read.
+STATE_OPS = frozenset({RegisterRequest.OP, AppendRequest.OP, DropRequest.OP, CalibrateRequest.OP})
 _REPLIES: dict[str, type[_Message]] = {
     c.OP: c
     for c in (

@@ -87,3 +87,30 @@ def test_a_negative_position_is_reported_as_such_not_as_a_range_up_to_2_63(field
     assert str(info.value) == f"{field} must be >= 0, got -1"
     with pytest.raises(InvalidArgument, match=rf"{field} must be below 2\*\*63, got {2**63}"):
         p.GetRequest(request_id=1, namespace="m", seq_id="s", **{field: 2**63})
+
+
+def test_a_request_that_changes_state_is_told_from_its_header_without_decoding_it() -> None:
+    """A server runs these for a client that has left (its writes are kept) and drops the rest unread."""
+    from test_protocol import examples  # isort: skip  (tests/unit/test_protocol.py: one example per message)
+
+    requests = {type(m).OP: m for m in examples().values() if type(m) in p.REQUESTS.values()}
+    assert set(requests) == set(p.REQUESTS)  # an example of every request
+    assert p.STATE_OPS == {"register", "append", "drop", "calibrate"}
+    for op, message in requests.items():
+        head = memoryview(bytes(p.encode_request(message)[0]))
+        assert p.changes_state(head) is (op in p.STATE_OPS), op
+    # in any key order (kvd's encoder writes v, id, op first; other clients need not)
+    for fields in ({"op": "get", "v": 1, "id": 7}, {"v": 1, "namespace": "n", "op": "append", "id": 2**40},
+                   {"v": 1, "id": 2**40, "seq_id": 5, "op": "drop"}, {"v": 1, "id": 300, "op": "lengths"}):
+        assert p.changes_state(memoryview(packb(fields))) is (fields["op"] in p.STATE_OPS), fields
+    # whatever cannot be told is taken as a write (then parsed, and answered, as any request)
+    for head in (b"", b"\xc1", packb([1, 2]), packb({"v": 1, "id": 7}), packb({"op": 5}), packb({"op": b"\xff"}),
+                 packb({"v": 1, "pad": "x" * 8192, "op": "ping"}),
+                 packb({"v": 1, "op": "ping"})[:-2]):
+        assert p.changes_state(memoryview(head)) is True, head[:40]
+    assert p.changes_state(memoryview(packb({"v": 1, "id": 7, "op": "get", "x": msgpack.ExtType(5, b"ab")})))\
+        is False
+    # a second op makes the strict decoder refuse the request (a duplicate key): it never runs as a write
+    twice = b"\x82" + fixstr(b"op") + fixstr(b"get") + fixstr(b"op") + fixstr(b"append")
+    assert p.changes_state(memoryview(twice)) is False
+    assert isinstance(p.parse_request([twice]), p.ErrorReply)

@@ -11,7 +11,8 @@ a receiving thread and a store thread costs about as much as a whole loopback ro
 it. The store's kernels release the GIL, so other threads of the process (the Ray actor, metrics readers) run
 while a page is encoded.
 
-*Admission (the busy policy).* Each turn of the loop first drains every message ZeroMQ has ready into its
+*Admission (the busy policy).* Each turn of the loop first takes the messages ZeroMQ has ready, a few
+(``DRAIN_BATCH``: ZeroMQ's ROUTER reads its connections in turn, the rest wait in their pipes), into each one's
 peer's queue (one FIFO per connection), bounded for all peers together (``max_queued_requests`` requests,
 ``max_queued_bytes`` bytes; one request is always admitted when nothing is queued, whatever its size) and for
 each peer (``max_peer_requests``, counting its requests on the bulk lane). A message over its peer's bound is
@@ -29,11 +30,12 @@ connection start in the order received; and the memory held by received requests
 
 *A peer that left* is learned as it leaves: the connection guard passes on ZeroMQ's disconnect events, each
 naming the connection's socket inode, and the loop knows the inode of every connection it took a message from
-(read once, at its first message, while the descriptor is still that connection's). The requests still queued
-for it are dropped unexecuted, and so is everything it sent before leaving that ZeroMQ still delivers
-(``requests_abandoned``): nobody would read their replies. (A connection that left before the loop saw any
-of its messages is served as before: a client that sends an append and closes keeps its write.) Learned only
-from a failed reply (EHOSTUNREACH, which
+(read once, at its first message, while the descriptor is still that connection's; a descriptor already closed
+at the first message is a connection that left before the loop saw it). Of what such a peer sent, queued or
+still delivered by ZeroMQ, the requests that only read are dropped unexecuted (``requests_abandoned``): nobody
+would read their replies. Its writes (:data:`~kvd.wire.messages.STATE_OPS`: append, drop, register, calibrate,
+told from the header's op without decoding the request) still run, so a client that sends appends and closes
+keeps them. Learned only from a failed reply (EHOSTUNREACH, which
 ZeroMQ gives once the departed peer's pipe is read to its end; until then a reply gets EAGAIN, like one to a
 slow reader), a client that pipelines 1 MiB gets and leaves, again and again, kept every such connection in the
 rotation with a get built for nobody, and the shard stalled for everyone well after the flood
@@ -107,7 +109,11 @@ DEFAULT_MAX_PEER_REQUESTS = 256
 DEFAULT_HWM = 64  # replies per peer (SNDHWM); replies to a slow reader beyond it are dropped
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
-DRAIN_BATCH = 256  # most messages admitted (or refused) per turn before the next request runs
+# Most messages admitted (or refused) per turn before the next request runs. ZeroMQ's ROUTER reads its connections
+# in turn, so a few reads reach every connection with a message waiting; each read past a connection's share is a
+# Busy that a client retrying at once answers with another message, so more reads per turn would only spend the
+# loop on refusals (256 a turn: a polite client's p99 66x its quiet one under a flood of 4,096-id lengths).
+DRAIN_BATCH = 4
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
@@ -535,7 +541,8 @@ class RouterServer:
         if guard is not None:  # what the loop took from this connection (ZeroMQ no longer holds it)
             fd = frames[0].get(_SRCFD)
             guard.took(fd, lens)
-            if ident[:1] == b"\0" and fd >= 0 and self._left(guard, ident, fd):  # (a ROUTER-made identity)
+            if ident[:1] == b"\0" and fd >= 0 and self._left(guard, ident, fd) \
+                    and not p.changes_state(frames[0].buffer):  # (a ROUTER-made identity; a write still runs)
                 metrics.requests_abandoned += 1
                 return
         peer = self._peers.get(ident)
@@ -624,20 +631,27 @@ class RouterServer:
             self._turns.remove(ident)
 
     def _abandon(self, ident: bytes) -> None:
-        """The peer is gone: its queued requests are dropped unexecuted (nobody would read their replies)."""
-        queue = self._peers.pop(ident, None)
+        """The peer is gone: its queued requests that only read are dropped unexecuted (nobody would read their
+        replies); its writes stay queued and run."""
+        queue = self._peers.get(ident)
         if queue is None:
             return
-        n = len(queue.requests)
+        writes = collections.deque(r for r in queue.requests if p.changes_state(r[0][0].buffer))
+        n = len(queue.requests) - len(writes)
+        size = queue.nbytes - sum(r[1] for r in writes)
         self._queued -= n
-        self._queued_bytes -= queue.nbytes
+        self._queued_bytes -= size
         self._metrics.requests_abandoned += n
-        queue.requests.clear()
-        self._turns.remove(ident)
+        if writes:
+            queue.requests, queue.nbytes = writes, queue.nbytes - size
+        else:
+            del self._peers[ident]
+            queue.requests.clear()
+            self._turns.remove(ident)
 
     def _left(self, guard: ConnectionGuard, ident: bytes, fd: int) -> bool:
-        """Whether the connection ``ident`` (a ROUTER-made identity) that sent a message on descriptor ``fd`` is
-        known to have left; the first message of a connection records its socket's inode."""
+        """Whether the connection ``ident`` (a ROUTER-made identity) that sent a message on descriptor ``fd`` has
+        left; the first message of a connection records its socket's inode."""
         if guard.departed:
             self._departures(guard)
         if ident in self._gone:
@@ -645,15 +659,15 @@ class RouterServer:
         if ident in self._peer_inode:
             return False
         # Its first message: while a connection lasts, the descriptor its messages carry is its own socket. Closed
-        # already (or another kind of file now): it left before the loop saw it, and is served as before (its
-        # writes run; a reply finds it gone); nothing is recorded. Another socket now (the number reused): the
-        # connection is taken for that one, and its departure is then learned late, never early.
+        # already (or another kind of file now): it left before the loop saw it. Another socket now (the number
+        # reused): the connection is taken for that one, and its departure is then learned late, never early.
         try:
             st = os.fstat(fd)
         except OSError:
-            return False
-        if not stat.S_ISSOCK(st.st_mode):
-            return False
+            st = None
+        if st is None or not stat.S_ISSOCK(st.st_mode):
+            self._gone_peer(ident)
+            return True
         peer_inode = self._peer_inode
         if len(peer_inode) >= KNOWN_PEERS_MAX:
             self._forget_peer(next(iter(peer_inode)))
