@@ -298,8 +298,8 @@ class RouterServer:
 
     def metrics(self) -> dict[str, Any]:
         """Counters: requests (messages received), errors (error replies, Busy excluded), busy (of those:
-        busy_share, refused because their peer was over its share), requests_abandoned (queued for, or sent by,
-        a peer that left: not executed), peers_queued (connections with requests queued now),
+        busy_share, refused because their peer was over its share), requests_abandoned (reads queued for, or sent
+        by, a peer that left: not executed), peers_queued (connections with requests queued now),
         requests_per_s (over the last 10 s), bulk_requests (run on a shard's bulk lane), bulk_depth (waiting or
         running on it now; counted in queue_depth),
         bytes_in / bytes_out (frames after the identity),
