@@ -35,8 +35,11 @@ TTFT is then mostly prefill):
   tokens, ``--output-len`` tokens out. The prefix working set is 2-3x what the budget holds at fp16.
 * **chat**: a multi-round chat driver over the OpenAI API (LMCache's multi-round QA shape): ``--users`` users,
   each ``--turns`` turns, one shared system prompt, each turn resending the conversation so far (the model's
-  own answers included); users run concurrently, each turn after the previous one's answer (paced: users
-  start 1/rate apart). TTFT from the first streamed token.
+  own answers included); users run concurrently, each turn after the previous one's answer. Paced: the
+  users' turns in rotation, one every 1/rate s (user 0's first, user 1's first, ..., user 0's second, each
+  also after its previous answer), so every other user's turn comes between two turns of one conversation:
+  its history has left vLLM's small cache by then, as in LMCache's multi-round QA. TTFT from the first
+  streamed token.
 
 Reported per system, workload and mode (medians over rounds; the spread over rounds shows the noise): TTFT
 mean / p50 / p99, requests/s, prompt tokens computed / hit in vLLM's own cache / hit in the store (vLLM's
@@ -415,12 +418,14 @@ def chat_run(engine: Engine, args: argparse.Namespace, mode: str, seed: int) -> 
                     text.append(delta)
         return (first if first is not None else time.perf_counter() - t0), "".join(text)
 
+    start = time.perf_counter()
+
     def user(u: int) -> None:
         urng = random.Random(seed * 1000 + u)
-        if mode == "paced":
-            time.sleep(u / args.rate)
         history = [{"role": "system", "content": system}]
-        for _ in range(args.turns):
+        for turn in range(args.turns):
+            if mode == "paced":  # all users' turns in rotation, one every 1/rate s
+                time.sleep(max(0.0, start + (turn * args.users + u) / args.rate - time.perf_counter()))
             q = "Tell me about " + " ".join(urng.choice(WORDS) for _ in range(args.question_words)) + "."
             history.append({"role": "user", "content": q})
             try:
@@ -435,12 +440,11 @@ def chat_run(engine: Engine, args: argparse.Namespace, mode: str, seed: int) -> 
             history.append({"role": "assistant", "content": answer})
 
     threads = [threading.Thread(target=user, args=(u,)) for u in range(args.users)]
-    t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return run_from_ttfts(ttfts, len(errors), time.perf_counter() - t0, errors)
+    return run_from_ttfts(ttfts, len(errors), time.perf_counter() - start, errors)
 
 
 # ------------------------------------------------------------------------------------------------ replay
@@ -476,7 +480,8 @@ def replay(args: argparse.Namespace) -> None:
     workload, replayed into a kvd.store.Store (SmolLM2-135M's KV layout, random values, the store's own
     compression under pressure up to q4), with vLLM's own cache of ``--engine-blocks`` blocks in front (LRU, as
     vLLM's): store-hit tokens per prompt token, for LRU (``eviction_order="recency"``), the prefix-aware order and
-    an unlimited budget."""
+    an unlimited budget. ``--phases N``: N runs of the workload with new prompts (another seed) one after the
+    other through the same store and cache, as the serving bench's runs follow each other; a figure per phase."""
     import numpy as np
 
     from kvd.integrations.prefix import block_keys, stored_prefix
@@ -485,41 +490,47 @@ def replay(args: argparse.Namespace) -> None:
     layers, heads, dim = 30, 3, 64
     rng = np.random.default_rng(0)
     kv = rng.standard_normal((layers, BLOCK, heads, dim)).astype(np.float16)
-    print(f"\nreplay: the store alone at {args.budget >> 20} MiB, vLLM's own cache {args.engine_blocks} blocks\n")
+    print(f"\nreplay: the store alone at {args.budget >> 20} MiB, vLLM's own cache {args.engine_blocks} blocks"
+          f"{f', {args.phases} phases (a figure per phase)' if args.phases > 1 else ''}\n")
     print("| workload | prompt tokens | LRU | prefix-aware | unlimited | evictions LRU / prefix-aware |")
     print("|---|---|---|---|---|---|")
     for workload in args.workloads:
-        prompts = replay_prompts(args, workload, 7)
-        hit: dict[str, int] = {}
+        phases = [replay_prompts(args, workload, 7 + i) for i in range(args.phases)]
+        hit: dict[str, list[int]] = {}
         evictions: dict[str, int] = {}
         for name, budget, order in (("lru", args.budget, "recency"), ("prefix", args.budget, "prefix"),
                                     ("unlimited", 1 << 40, "prefix")):
             store = Store(budget, eviction_order=order)
             store.register("ns", num_layers=layers, num_kv_heads=heads, head_dim=dim)
             local: dict[str, None] = {}  # vLLM's own cache, least recently used first
-            hits = 0
-            for ids in prompts:
-                keys = block_keys(ids, BLOCK)
-                usable = keys[: (len(ids) - 1) // BLOCK]
-                mine = 0
-                while mine < len(usable) and usable[mine] in local:
-                    mine += 1
-                found = stored_prefix(lambda ks, s=store: s.lengths("ns", ks), usable[mine:], BLOCK)
-                for key in usable[mine:mine + found]:
-                    store.get("ns", key)  # the load
-                hits += found * BLOCK
-                for i in range(mine + found, len(keys)):  # computed here, then saved
-                    store.append("ns", keys[i], kv, kv, position=i * BLOCK, parent=keys[i - 1] if i else None)
-                for key in keys:
-                    local.pop(key, None)
-                    local[key] = None
-                while len(local) > args.engine_blocks:
-                    local.pop(next(iter(local)))
-            hit[name] = hits
+            hit[name] = []
+            for prompts in phases:
+                hits = 0
+                for ids in prompts:
+                    keys = block_keys(ids, BLOCK)
+                    usable = keys[: (len(ids) - 1) // BLOCK]
+                    mine = 0
+                    while mine < len(usable) and usable[mine] in local:
+                        mine += 1
+                    found = stored_prefix(lambda ks, s=store: s.lengths("ns", ks), usable[mine:], BLOCK)
+                    for key in usable[mine:mine + found]:
+                        store.get("ns", key)  # the load
+                    hits += found * BLOCK
+                    for i in range(mine + found, len(keys)):  # computed here, then saved
+                        store.append("ns", keys[i], kv, kv, position=i * BLOCK,
+                                     parent=keys[i - 1] if i else None)
+                    for key in keys:
+                        local.pop(key, None)
+                        local[key] = None
+                    while len(local) > args.engine_blocks:
+                        local.pop(next(iter(local)))
+                hit[name].append(hits)
             evictions[name] = store.stats()["evictions"]
-        total = sum(len(p) for p in prompts)
-        print(f"| {workload} | {total} | {100 * hit['lru'] / total:.1f}% | {100 * hit['prefix'] / total:.1f}% | "
-              f"{100 * hit['unlimited'] / total:.1f}% | {evictions['lru']} / {evictions['prefix']} |", flush=True)
+        totals = [sum(len(p) for p in prompts) for prompts in phases]
+        pct = {name: " / ".join(f"{100 * h / t:.1f}%" for h, t in zip(hits_, totals, strict=True))
+               for name, hits_ in hit.items()}
+        print(f"| {workload} | {' / '.join(str(t) for t in totals)} | {pct['lru']} | {pct['prefix']} | "
+              f"{pct['unlimited']} | {evictions['lru']} / {evictions['prefix']} |", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -636,13 +647,15 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rate", type=float, default=0.5, help="requests/s of the paced mode")
-    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--users", type=int, default=16)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-words", type=int, default=300)
     ap.add_argument("--question-words", type=int, default=100)
     ap.add_argument("--json", type=Path, help="also write every run here")
     ap.add_argument("--replay", action="store_true",
                     help="only replay the workloads' block chains into a store: hit rates by eviction order")
+    ap.add_argument("--phases", type=int, default=1,
+                    help="with --replay: this many runs of each workload, new prompts each, through one store")
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.prompts, args.prefixes, args.users, args.turns = 1, 8, 2, 2, 2
