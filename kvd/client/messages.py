@@ -32,8 +32,8 @@ _NOT_ADDITIVE = frozenset({"epoch", "page_tokens", "sink_tokens", "window_tokens
 
 def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Cluster totals from per-shard stats: numbers summed (``epoch`` and settings: the maximum), maps of numbers
-    summed per key, ``pressure`` recomputed as used/capacity, a string kept when all shards agree (else
-    ``"mixed"``); ``shards`` counts the shards, ``errors`` those that did not answer."""
+    summed per key, ``pressure`` recomputed as used/capacity, a string or flag kept when all shards agree (else
+    ``"mixed"``), in maps too, per key; ``shards`` counts the shards, ``errors`` those that did not answer."""
     good = [s for s in per_shard if "error" not in s]
     out: dict[str, Any] = {"shards": len(per_shard), "errors": len(per_shard) - len(good)}
     for stats in good:
@@ -53,6 +53,8 @@ def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 for k, v in value.items():
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         merged[k] = merged.get(k, 0) + v
+                    else:  # a flag or a state per key (calibration_required, calibration_states)
+                        merged[k] = v if k not in merged or merged[k] == v else "mixed"
                 out[key] = merged
             else:
                 out[key] = value if key not in out or have == value else "mixed"

@@ -814,6 +814,19 @@ def test_aggregate_stats_sums_counters_and_merges_levels() -> None:
     assert (out["shards"], out["errors"]) == (3, 1)
 
 
+def test_aggregate_stats_keeps_maps_of_flags_and_states_per_key() -> None:
+    # per-namespace flags and states (calibration_required, calibration_states): kept where the shards agree,
+    # "mixed" where they do not, numbers still summed
+    a = {"calibration_required": {"m": True, "n": False}, "calibration_states": {"m": "calibrated", "n": "needed"},
+         "tokens_by_namespace": {"m": 5}}
+    b = {"calibration_required": {"m": True, "n": True}, "calibration_states": {"m": "calibrated"},
+         "tokens_by_namespace": {"m": 2, "n": 1}}
+    out = aggregate_stats([a, b])
+    assert out["calibration_required"] == {"m": True, "n": "mixed"}
+    assert out["calibration_states"] == {"m": "calibrated", "n": "needed"}
+    assert out["tokens_by_namespace"] == {"m": 7, "n": 1}
+
+
 @pytest.mark.timeout(20)
 def test_a_taken_port_fails_start_at_once_and_leaves_no_thread() -> None:
     first = ShardServer(Store(1 << 20), shard_id="first")
