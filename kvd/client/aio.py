@@ -24,6 +24,7 @@ from kvd.client.core import (
     _on_wire,
     aggregate_stats,
 )
+from kvd.client.messages import _decode_reply
 from kvd.errors import InvalidArgument, KvdError
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
@@ -90,10 +91,8 @@ class AsyncClient(_Core):
                 msg = await conn.sock.recv_multipart(copy=False)
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            try:
-                reply = p.decode_reply([f.buffer for f in msg], self._limits)
-            except KvdError as exc:
-                log.warning("discarding a malformed reply from %s: %s", conn.endpoint, exc)
+            reply = _decode_reply([f.buffer for f in msg], self._limits, conn.endpoint)
+            if reply is None:
                 continue
             fut = conn.waiting.pop(reply.request_id, None) if reply.request_id is not None else None
             if fut is not None and not fut.done():

@@ -5,19 +5,22 @@ no sockets (the connection is only read for what its server speaks)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvd.codec.assemble import assemble
-from kvd.errors import Busy, ProtocolError
+from kvd.errors import Busy, KvdError, ProtocolError
 from kvd.wire import protocol as p
 
 if TYPE_CHECKING:
     from kvd.client.conn import _Conn
 
 __all__ = ["PACK_BELOW_BYTES", "aggregate_stats"]
+
+log = logging.getLogger("kvd.client")
 
 # Appends of keys and values together under this many bytes go packed, in one frame, to a 1.4 server: each
 # ZeroMQ frame of 8 KiB or more costs both processes' I/O threads a send and a receive of its own, and packing
@@ -61,6 +64,21 @@ def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if out.get("capacity_bytes"):
         out["pressure"] = out.get("used_bytes", 0) / out["capacity_bytes"]
     return out
+
+
+def _decode_reply(frames: list[Any], limits: p.Limits, endpoint: str) -> Any:
+    """The reply in ``frames``; for one the strict decoder refuses, a ProtocolError reply under its request id
+    when the header names one (its caller fails at once instead of waiting out its timeout), else None (logged,
+    discarded: nobody can be told)."""
+    try:
+        return p.decode_reply(frames, limits)
+    except KvdError as exc:
+        rid = p.salvage_request_id(frames[0]) if frames else None
+        log.warning("a malformed reply from %s%s: %s", endpoint, "" if rid is None else f" to request {rid}", exc)
+        if rid is None:
+            return None
+        return p.ErrorReply(request_id=rid, code=ProtocolError.code, error="ProtocolError",
+                            message=f"malformed reply from {endpoint}: {exc}")
 
 
 def _value(req: Any, reply: Any) -> Any:

@@ -77,6 +77,7 @@ from kvd.client.core import (
     _value,
     aggregate_stats,
 )
+from kvd.client.messages import _decode_reply
 from kvd.errors import InvalidArgument, KvdError, WrongShard
 from kvd.wire import protocol as p
 from kvd.wire.curve import CurveConfig
@@ -209,10 +210,8 @@ class Client(_Core):
             self._file(conn, recv_frames(sock))
 
     def _file(self, conn: _Conn, msg: list[zmq.Frame]) -> None:
-        try:
-            reply = p.decode_reply([f.buffer for f in msg], self._limits)
-        except KvdError as exc:
-            log.warning("discarding a malformed reply from %s: %s", conn.endpoint, exc)
+        reply = _decode_reply([f.buffer for f in msg], self._limits, conn.endpoint)
+        if reply is None:
             return
         rid = reply.request_id
         if rid in conn.waiting:

@@ -3,12 +3,14 @@ request plan) must still refuse or hand on to the plan."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
-from kvd.client import Client
+from kvd.client import AsyncClient, Client
 from kvd.errors import ProtocolError
 from kvd.wire import protocol as p
 
@@ -44,5 +46,33 @@ def test_a_reply_of_another_operation_is_refused_on_every_fast_call() -> None:
                 with pytest.raises(ProtocolError, match="does not answer"):
                     call()
             assert c.drop("m", "s") is True
+    finally:
+        server.close()
+
+
+class _Malformed(Scripted):
+    """Answers every request other than hello with a reply the client's strict decoder refuses (an unknown key),
+    under the request's id."""
+
+    def serve(self, ident: bytes, req: Any) -> None:
+        self.requests.append(req)
+        header = msgpack.unpackb(bytes(p.encode_reply(p.DropReply(request_id=req.request_id, dropped=True))[0]))
+        self.sock.send_multipart([ident, msgpack.packb({**header, "surprise": 1})])
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_reply_fails_its_call_at_once_as_a_protocol_error_not_a_timeout() -> None:
+    server = _Malformed(lambda req: None)
+    try:
+        with Client(server.endpoint, timeout_s=5) as c:
+            with pytest.raises(ProtocolError, match="surprise"):
+                c.drop("m", "s")
+
+        async def run() -> None:
+            async with AsyncClient(server.endpoint, timeout_s=5) as c:
+                with pytest.raises(ProtocolError, match="surprise"):
+                    await c.drop("m", "s")
+
+        asyncio.run(run())
     finally:
         server.close()

@@ -251,3 +251,24 @@ def test_of_what_a_connection_sent_before_it_left_only_the_writes_run() -> None:
         ghost_ctx.destroy(linger=0)
         ctx.destroy(linger=0)
         server.stop()
+
+
+def test_a_connection_whose_departure_came_before_its_first_message_is_known_to_have_left() -> None:
+    """ZeroMQ reports a disconnect before it closes the connection's descriptor, so the loop may read the first
+    message of a connection that has already left while the descriptor is still its socket: its inode came with
+    the departure, before the loop knew it; the connection must be taken as gone, not as a new live one."""
+    import collections
+    import os
+    import socket
+
+    server = _HeldServer()
+    a, b = socket.socketpair()
+    try:
+        guard = type("Guard", (), {})()
+        guard.departed = collections.deque([os.fstat(a.fileno()).st_ino])  # the departure, first
+        assert server._left(guard, b"\0gone", a.fileno())  # then its first message, the descriptor still open
+        guard.departed.append(os.fstat(b.fileno()).st_ino + 10**9)  # another connection's, never seen
+        assert not server._left(guard, b"\0live", b.fileno())
+    finally:
+        a.close()
+        b.close()

@@ -31,7 +31,8 @@ connection start in the order received; and the memory held by received requests
 *A peer that left* is learned as it leaves: the connection guard passes on ZeroMQ's disconnect events, each
 naming the connection's socket inode, and the loop knows the inode of every connection it took a message from
 (read once, at its first message, while the descriptor is still that connection's; a descriptor already closed
-at the first message is a connection that left before the loop saw it). Of what such a peer sent, queued or
+at the first message, or whose inode a departure named before, is a connection that left before the loop saw
+it). Of what such a peer sent, queued or
 still delivered by ZeroMQ, the requests that only read are dropped unexecuted (``requests_abandoned``): nobody
 would read their replies. Its writes (:data:`~kvd.wire.messages.STATE_OPS`: append, drop, register, calibrate,
 told from the header's op without decoding the request) still run, so a client that sends appends and closes
@@ -250,6 +251,9 @@ class RouterServer:
         self._peer_inode: dict[bytes, int] = {}
         self._inode_peers: dict[int, list[bytes]] = {}
         self._gone: dict[bytes, None] = {}
+        # inodes of connections that left before the loop saw any of their messages (ZeroMQ reports a disconnect
+        # before it closes the descriptor, so a first message may still find it open)
+        self._left_unseen: dict[int, None] = {}
         self._endpoint: str | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -659,13 +663,14 @@ class RouterServer:
         if ident in self._peer_inode:
             return False
         # Its first message: while a connection lasts, the descriptor its messages carry is its own socket. Closed
-        # already (or another kind of file now): it left before the loop saw it. Another socket now (the number
-        # reused): the connection is taken for that one, and its departure is then learned late, never early.
+        # already (or another kind of file now), or a socket whose departure came first: it left before the loop
+        # saw it. Another socket now (the number reused): the connection is taken for that one, and its departure
+        # is then learned late, never early.
         try:
             st = os.fstat(fd)
         except OSError:
             st = None
-        if st is None or not stat.S_ISSOCK(st.st_mode):
+        if st is None or not stat.S_ISSOCK(st.st_mode) or st.st_ino in self._left_unseen:
             self._gone_peer(ident)
             return True
         peer_inode = self._peer_inode
@@ -679,7 +684,15 @@ class RouterServer:
         """Take the connections the guard saw end: their queued requests are dropped, their later messages too."""
         departed = guard.departed
         while departed:
-            for ident in self._inode_peers.pop(departed.popleft(), ()):
+            ino = departed.popleft()
+            idents = self._inode_peers.pop(ino, None)
+            if idents is None:  # none of its messages seen yet: its first one may still find its descriptor open
+                unseen = self._left_unseen
+                if len(unseen) >= GONE_PEERS_MAX:
+                    del unseen[next(iter(unseen))]
+                unseen[ino] = None
+                continue
+            for ident in idents:
                 self._peer_inode.pop(ident, None)
                 self._gone_peer(ident)
 
