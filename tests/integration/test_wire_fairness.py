@@ -227,6 +227,10 @@ def test_of_what_a_connection_sent_before_it_left_only_the_writes_run() -> None:
         while server.ran != [1, 0]:  # readiness: the loop is held
             time.sleep(0.01)
         unseen = raw_dealer(ghost_ctx, server.endpoint, SNDHWM=0)
+        guard = server._guard
+        assert guard is not None
+        while len(guard._conns) < 4:  # readiness: the guard holds every connection, so it sees each one end
+            time.sleep(0.01)
         for i in range(n):
             known.send_multipart(p.encode_request(p.HelloRequest(request_id=1000 + i)))
             unseen.send_multipart(p.encode_request(p.HelloRequest(request_id=2000 + i)))
