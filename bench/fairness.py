@@ -36,9 +36,14 @@ GET_NS = "fair-get"
 GET_LAYOUT = {"num_layers": 2, "num_kv_heads": 8, "head_dim": 128}
 
 
-def _server(conn: Any) -> None:
+def _server(conn: Any, drain_batch: int | None = None) -> None:
     from kvd.store import Store
     from kvd.wire.server import ShardServer
+
+    if drain_batch is not None:  # the loop reads the module's constant on every turn
+        import kvd.wire.server.loop as loop
+
+        loop.DRAIN_BATCH = drain_batch
 
     server = ShardServer(Store(256 << 20, eviction="lru", max_level="fp16"), shard_id="fair")
     conn.send(server.start())
@@ -166,3 +171,49 @@ def _report(rows: list[tuple[str, str, list[float], tuple[int, int]]], metrics: 
         print(f"{kind:<15}{quiet:>17.2f}{loaded:>18.2f}{loaded / quiet:>7.2f}")
     keys = ("busy", "busy_share", "requests_abandoned", "replies_dropped", "queue_peak")
     print("server: " + ", ".join(f"{k} {metrics.get(k)}" for k in keys))
+
+
+def drain_batches(batches: list[int], seconds: float, rounds: int) -> int:
+    """The loop's messages per turn (``DRAIN_BATCH``) against the ``lengths`` flood: for each value in turn, a
+    fresh server, a quiet and a loaded round of the polite client; ``rounds`` times over, alternating."""
+    ctx = mp.get_context("spawn")
+    rows: list[tuple[int, list[float], list[float], tuple[int, int]]] = []
+    for _ in range(rounds):
+        for batch in batches:
+            parent, child = ctx.Pipe()
+            server = ctx.Process(target=_server, args=(child, batch), daemon=True)
+            server.start()
+            endpoint = parent.recv()
+            try:
+                with Client(endpoint, timeout_s=60) as client:
+                    client.register(NS, **LAYOUT)
+                    _polite(client, 0.5)  # warm up
+                    quiet = _polite(client, seconds)
+                    stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
+                    flooder = ctx.Process(target=_flood, args=(endpoint, "lengths", stop, tx), daemon=True)
+                    flooder.start()
+                    time.sleep(0.5)
+                    loaded = _polite(client, seconds)
+                    stop.set()
+                    counts = rx.recv() if rx.poll(30) else (-1, -1)
+                    flooder.join(10)
+                    if flooder.is_alive():
+                        flooder.kill()
+                        flooder.join(10)
+            finally:
+                parent.send("stop")
+                parent.recv() if parent.poll(30) else None
+                server.join(10)
+            rows.append((batch, quiet, loaded, counts))
+    print(f"\npolite client against a lengths flood, by the loop's messages per turn, {seconds:.0f} s rounds")
+    print(f"{'batch':>6}{'quiet p50':>11}{'quiet p99':>11}{'loaded n':>10}{'loaded p50':>12}{'loaded p99':>12}"
+          f"{'flood answered':>16}{'flood busy':>12}")
+    for batch, quiet, loaded, (answered, busy) in rows:
+        print(f"{batch:>6}{_ms(quiet, 0.5):>11.2f}{_ms(quiet, 0.99):>11.2f}{len(loaded):>10}"
+              f"{_ms(loaded, 0.5):>12.2f}{_ms(loaded, 0.99):>12.2f}{answered:>16}{busy:>12}")
+    print(f"\n{'batch':>6}{'median loaded p99 ms':>22}{'median polite requests':>24}")
+    for batch in batches:
+        mine = [r for r in rows if r[0] == batch]
+        print(f"{batch:>6}{statistics.median(_ms(r[2], 0.99) for r in mine):>22.2f}"
+              f"{statistics.median(len(r[2]) for r in mine):>24.0f}")
+    return 0
