@@ -10,7 +10,7 @@ and Mooncake Store (issues 4 and 19).
     python bench/wire.py --packed   # pages of a 32-layer 7B-class sequence: packed (1.1) vs a frame per page (1.0)
     python bench/wire.py --socket-buffer 0   # also kvd with the system's autotuned socket buffers, same run
     python bench/wire.py --fairness # a polite client's latency, alone and while another floods the shard
-    python bench/wire.py --fairness --drain-batches 256,4  # the same under a lengths flood, by messages per turn
+    python bench/wire.py --fairness --loop-variants 256,4,4-rotation  # a lengths flood, by the loop's scheduling
 
 For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in flight, median GB/s of payload:
 
@@ -642,9 +642,10 @@ def main() -> int:
     ap.add_argument("--codec", action="store_true", help="only the sans-IO codec's calls, in tight loops")
     ap.add_argument("--fairness", action="store_true",
                     help="only a polite client's latency, alone and while another client floods the shard")
-    ap.add_argument("--drain-batches", metavar="N,N",
-                    help="with --fairness: only the lengths flood, against servers reading N messages a turn, "
-                         "alternating (e.g. 256,4)")
+    ap.add_argument("--loop-variants", metavar="V,V",
+                    help="with --fairness: only the lengths flood, against servers reading N messages a turn "
+                         "(N) and with newcomers at the back of the rotation (N-rotation), alternating "
+                         "(e.g. 256,4,4-rotation)")
     ap.add_argument("--copy", action="store_true",
                     help="only what sending one frame costs copied vs zero-copy (raw pyzmq, 64 KiB to 8 MiB)")
     ap.add_argument("--socket-buffer", type=int, metavar="BYTES",
@@ -668,11 +669,10 @@ def main() -> int:
     if args.packed:
         return packed_only(0.4 if args.quick else 2.5)
     if args.fairness:
-        from fairness import drain_batches, fairness_only  # bench/fairness.py
+        from fairness import fairness_only, loop_variants  # bench/fairness.py
 
-        if args.drain_batches:
-            return drain_batches([int(b) for b in args.drain_batches.split(",")], 3.0 if args.quick else 4.0,
-                                 1 if args.quick else 3)
+        if args.loop_variants:
+            return loop_variants(args.loop_variants.split(","), 3.0 if args.quick else 4.0, 1 if args.quick else 3)
         return fairness_only(3.0 if args.quick else 10.0, 1 if args.quick else 3)
     budget = 0.4 if args.quick else 2.5
     raw_proc, raw_ep, raw_pipe = start(raw_server)

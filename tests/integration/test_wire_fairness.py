@@ -276,3 +276,32 @@ def test_a_connection_whose_departure_came_before_its_first_message_is_known_to_
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_with_nothing_queued_goes_ahead_of_one_that_keeps_a_queue() -> None:
+    """A client that keeps requests queued is served in turn; one that sends a request now and then (a decode
+    step) waits for the request running when it arrives, not also for the flooder's next one."""
+    server = _HeldServer()
+    server.start()
+    ctx = zmq.Context()
+    try:
+        flooder = raw_dealer(ctx, server.endpoint, SNDHWM=0)
+        polite = raw_dealer(ctx, server.endpoint)
+        assert isinstance(request(polite, p.HelloRequest(request_id=1)), p.HelloReply)
+        ids = [100 + i for i in range(60)]
+        ids[8] = 0  # the loop holds in the flooder's ninth request, with the rest of its requests queued
+        for rid in ids:
+            flooder.send_multipart(p.encode_request(p.HelloRequest(request_id=rid)))
+        while 0 not in server.ran:  # readiness: the loop is held, the flooder's later requests waiting
+            time.sleep(0.01)
+        polite.send_multipart(p.encode_request(p.HelloRequest(request_id=5)))
+        time.sleep(0.5)  # ZeroMQ's I/O thread moves it into the pipe within milliseconds; the loop is held
+        server.go.set()
+        assert polite.poll(10_000) and p.decode_reply(polite.recv_multipart()).request_id == 5
+        held = server.ran.index(0)
+        assert server.ran[held + 1] == 5, server.ran[held:held + 4]
+    finally:
+        server.go.set()
+        ctx.destroy(linger=0)
+        server.stop()

@@ -21,8 +21,10 @@ refusal costs the same whatever the request's size), it is not executed, and its
 freed. When the shared bound is full, a request of a peer that holds fewer than the heaviest peer takes that
 peer's newest queued request's place, which is answered ``Busy`` instead: a peer that floods is refused, not
 the peers it would crowd out. Then one request runs and is answered, taken from the peers *in turn*
-(round-robin over the peers with requests queued), and the loop drains again. So a request waits for at most
-one request of every other peer with requests queued, however many one of them pipelines (a client pipelining
+(round-robin over the peers with requests queued; a peer that had nothing queued goes ahead of the rotation,
+but never twice in a row while the rotation waits), and the loop drains again. So a request waits for at most
+one request of every other peer with requests queued, however many one of them pipelines, and a client that
+sends one request at a time waits for the request running when it arrives and at most one more (a client pipelining
 1,500 ``lengths`` of 4,096 ids took another's p99 from 17 ms to 439 ms behind one shared FIFO; BENCHMARKS.md,
 "Wire", "Fairness"); under overload a request gets ``Busy`` once it is read, never silence; requests of one
 connection start in the order received; and the memory held by received requests is bounded by
@@ -114,7 +116,7 @@ IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and 
 # in turn, so a few reads reach every connection with a message waiting; each read past a connection's share is a
 # Busy that a client retrying at once answers with another message, so more reads per turn would only spend the
 # loop on refusals (under a flood of 4,096-id lengths, a polite client's p99 was 85-105 ms at 256 a turn against
-# 12-34 ms at 4, alternating in one run on a loaded host: bench/wire.py --fairness --drain-batches 256,4).
+# 12-34 ms at 4, alternating in one run on a loaded host: bench/wire.py --fairness --loop-variants 256,4).
 DRAIN_BATCH = 4
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
@@ -244,7 +246,9 @@ class RouterServer:
         # admission (loop thread only): each connection's FIFO of (frames, size, fd), and the connections with
         # requests queued in the order they take turns; _queued counts the requests of all of them
         self._peers: dict[bytes, _PeerQueue] = {}
-        self._turns: collections.deque[bytes] = collections.deque()
+        self._turns: collections.deque[bytes] = collections.deque()  # peers with requests queued, in turn
+        self._fresh: collections.deque[bytes] = collections.deque()  # peers that had nothing queued, in order
+        self._took_fresh = False  # whether the last request run was a newcomer's
         self._queued = 0
         self._queued_bytes = 0
         # departures (loop thread only): the socket inode of each connection a message came from, by identity
@@ -569,7 +573,7 @@ class RouterServer:
             depth = self._queued + self._bulk_pending
         if peer is None:
             peer = self._peers[ident] = _PeerQueue()
-            self._turns.append(ident)
+            self._fresh.append(ident)
         peer.requests.append((frames, size, fd))
         peer.nbytes += size
         self._queued += 1
@@ -613,9 +617,16 @@ class RouterServer:
         return True
 
     def _next(self) -> tuple[bytes, list[zmq.Frame], int, int]:
-        """The next request to run: the oldest of the peer whose turn it is; that peer goes to the back."""
-        turns = self._turns
-        ident = turns.popleft()
+        """The next request to run: the oldest of the peer whose turn it is; that peer goes to the back of the
+        rotation. A peer that had nothing queued goes ahead of the rotation, but never twice in a row while the
+        rotation waits."""
+        turns, fresh = self._turns, self._fresh
+        if fresh and (not turns or not self._took_fresh):
+            ident = fresh.popleft()
+            self._took_fresh = True
+        else:
+            ident = turns.popleft()
+            self._took_fresh = False
         queue = self._peers[ident]
         frames, size, fd = queue.requests.popleft()
         queue.nbytes -= size
@@ -633,7 +644,11 @@ class RouterServer:
         self._queued_bytes -= size
         if not queue.requests:
             del self._peers[ident]
-            self._turns.remove(ident)
+            self._unturn(ident)
+
+    def _unturn(self, ident: bytes) -> None:
+        """``ident`` has nothing queued any more: out of the rotation (or of the newcomers)."""
+        (self._fresh if ident in self._fresh else self._turns).remove(ident)
 
     def _abandon(self, ident: bytes) -> None:
         """The peer is gone: its queued requests that only read are dropped unexecuted (nobody would read their
@@ -652,7 +667,7 @@ class RouterServer:
         else:
             del self._peers[ident]
             queue.requests.clear()
-            self._turns.remove(ident)
+            self._unturn(ident)
 
     def _left(self, guard: ConnectionGuard, ident: bytes, fd: int) -> bool:
         """Whether the connection ``ident`` (a ROUTER-made identity) that sent a message on descriptor ``fd`` has
