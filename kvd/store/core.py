@@ -574,8 +574,9 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
             return int(self._lookup(namespace, seq_id)[0].length)
 
     def lengths(self, namespace: str, seq_ids: Iterable[SeqId]) -> list[int | None]:
-        """Tokens stored for each sequence, None where there is no such sequence (one lock, one namespace check:
-        a prefix lookup). A lookup is not a use: LRU order does not change. Raises UnknownNamespace."""
+        """Tokens stored for each sequence (a Python int), None where there is no such sequence (one lock, one
+        namespace check: a prefix lookup). A lookup is not a use: LRU order does not change. Raises
+        UnknownNamespace."""
         with self._lock:
             name = self._namespace(namespace).name
             seqs, disk = self._seqs, self._disk

@@ -402,9 +402,9 @@ class ShardServer(RouterServer):
         if self._routing is not None:
             for seq_id in req.seq_ids:
                 self._check_owner(req.namespace, seq_id)
-        found = self._store.lengths(req.namespace, req.seq_ids)
+        # (the store's lengths are Python ints or None: no conversion per id)
         return p.LengthsReply.trusted(request_id=req.request_id,
-                                      lengths=tuple(None if n is None else int(n) for n in found))
+                                      lengths=tuple(self._store.lengths(req.namespace, req.seq_ids)))
 
     def _on_stats(self, req: p.StatsRequest) -> p.StatsReply:
         stats = dict(self._store.stats())
