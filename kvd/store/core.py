@@ -323,7 +323,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
                 namespace, layers, heads, dim,
                 raw_layers=self.raw_layers, raw_heads=self.raw_heads, page_tokens=self.page_tokens,
             )  # fmt: skip
-            ns.protect(self._protection(ns))
+            self._note_namespace(ns)
             charge = sp.namespace_meta_bytes(layers)
             self._ledger.meta_bytes += charge
             self._ns_meta += charge

@@ -1,13 +1,15 @@
 """A store with many namespaces registered: the work it repeats (a shard's idle compaction every 50 ms and after
 every bulk request, ``stats`` and ``used_by_rung`` with every report) reads only the namespaces that hold
-sequences, so registering one costs the same however many are registered; and the compaction backlog stays
-right as a namespace empties and fills again (dropped, evicted, spilled and taken back from the disk)."""
+sequences, and the ones ``stats`` lists, so registering one costs the same however many are registered; the
+compaction backlog stays right as a namespace empties and fills again (dropped, evicted, spilled and taken back
+from the disk), and ``stats`` lists the namespaces in the same order."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from kvd.store import Store
+from kvd.store.calibrated import STATS_NAMESPACES
 
 MiB = 1 << 20
 L, H, D, P = 2, 2, 64, 16
@@ -123,3 +125,47 @@ def test_a_namespace_whose_sequence_comes_back_from_the_disk_is_compacted_again(
         assert s.compact(1 << 30) > 0 and s.stats()["compaction_backlog_bytes"] == 0
     finally:
         s.close(persist=False)
+
+
+class LookupCounting(dict):
+    """The store's namespaces by name, counting the lookups of one."""
+
+    lookups = 0
+
+    def __getitem__(self, name: str):  # type: ignore[no-untyped-def]
+        self.lookups += 1
+        return super().__getitem__(name)
+
+    def get(self, name: str, default=None):  # type: ignore[no-untyped-def, override]
+        self.lookups += 1
+        return super().get(name, default)
+
+
+def test_stats_looks_up_only_the_namespaces_it_lists() -> None:
+    s = make()
+    for i in range(1000):
+        s.register(f"idle-{i}", num_layers=L, num_kv_heads=H, head_dim=D)
+    s.require_calibration_of("idle-7", True)
+    s._ns = LookupCounting(s._ns)  # the store's namespaces, counting lookups
+    st = s.stats()
+    assert len(st["calibration_states"]) == STATS_NAMESPACES
+    assert st["calibration_unlisted"] == 1002 - STATS_NAMESPACES
+    assert s._ns.lookups <= STATS_NAMESPACES + 1, s._ns.lookups  # each listed one, and the one with a Protection
+
+
+def test_stats_lists_the_namespaces_with_a_calibration_policy_first_then_the_others_by_name() -> None:
+    s = make()
+    names = [f"n{i:03d}" for i in range(400)]
+    for name in reversed(names):
+        s.register(name, num_layers=L, num_kv_heads=H, head_dim=D)
+    s.require_calibration_of("n399", True)
+    s.require_calibration_of("n200", True)
+    s.require_calibration_of("n100", False)  # a setting of its own that attaches no calibration state
+    st = s.stats()
+    others = sorted({"a", "b", *names} - {"n200", "n399"})
+    assert list(st["calibration_states"]) == ["n200", "n399", *others][:STATS_NAMESPACES]
+    assert st["calibration_states"]["n399"] == "missing" and st["calibration_states"]["a"] == "none"
+    assert st["calibration_required"] == {"n399": True, "n200": True, "n100": False}
+    assert st["calibration_unlisted"] == 402 - STATS_NAMESPACES
+    s.require_calibration_of("n399", None)  # back to the store's setting: no calibration state, listed by name
+    assert list(s.stats()["calibration_states"])[:2] == ["n200", "a"]
