@@ -297,7 +297,8 @@ class Coordinator:
         before = self._membership.namespaces_version
         return self._cluster_wide(lambda: self._membership.add_namespace(namespace, layout),
                                   f"namespace {namespace} registered with layout {list(layout)}",
-                                  namespaces_from=before)  # what was added since `before` only
+                                  namespaces_from=before,  # what was added since `before` only
+                                  calibrations_from=self._membership.calibrations_version)
 
     def add_calibration(self, namespace: str, record: dict[str, Any] | None = None,
                         require: bool | None = None) -> dict[str, Any]:
@@ -375,7 +376,7 @@ class Coordinator:
         snap["pid"] = os.getpid()
         snap["restarted"] = self._restarted
         snap["topology_published"] = self._served is not None
-        snap["namespaces"] = len(self._membership.namespaces()[1])
+        snap["namespaces"] = self._membership.namespace_count
         snap["calibrations"] = len(self._membership.calibrations())
         snap["clock"] = self._clock()
         return snap

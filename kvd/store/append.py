@@ -143,6 +143,7 @@ class Appending:
     _ledger: sp.Ledger
     _log: store_seq.CompactionLog
     _seqs: OrderedDict[tuple[str, SeqId], Seq]
+    _holding: dict[str, Namespace]
     _fmt: str
     _epoch: int
     _ahead: Level | None
@@ -287,6 +288,7 @@ class Appending:
             seq = Seq(ns, plan.key, plan.position, plan.sink_rows)
             self._seqs[plan.key] = seq
             ns.sequences += 1
+            self._holding[ns.name] = ns
             led.meta_bytes += ns.seq_meta
         for i, r, rec in built.swaps:
             old = seq.pages[i][r]

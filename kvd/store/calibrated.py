@@ -19,7 +19,9 @@ Pure: no Ray, no ZeroMQ.
 
 from __future__ import annotations
 
+import bisect
 import glob
+import itertools
 import logging
 import os
 from typing import Any
@@ -179,6 +181,23 @@ class Calibrating:
         self._cals, self._cal_required = {}, {}
         self._cal_dir: str | None = None
         self._cal_held_pages = self._cal_raw_pages = 0
+        # what stats lists without reading every namespace: the names with a calibration state attached
+        # (ns.prot), and every registered name in order
+        self._protected: set[str] = set()
+        self._names: list[str] = []
+
+    def _note_namespace(self, ns: Any) -> None:
+        """(Under the lock) ``ns`` was just registered: named for stats and given its calibration state."""
+        bisect.insort(self._names, ns.name)
+        self._protect(ns)
+
+    def _protect(self, ns: Any) -> None:
+        """(Under the lock) attach ``ns``'s calibration state (:meth:`_protection`), or none."""
+        ns.protect(self._protection(ns))
+        if ns.prot is None:
+            self._protected.discard(ns.name)
+        else:
+            self._protected.add(ns.name)
 
     def _protection(self, ns: Any) -> Protection | None:
         cal = self._cals.get(ns.name)
@@ -265,7 +284,7 @@ class Calibrating:
         self._save_calibration(namespace)
         ns = self._ns.get(namespace)
         if ns is not None:
-            ns.protect(self._protection(ns))
+            self._protect(ns)
         return self.calibration_state(namespace)
 
     def calibration_state(self, namespace: str) -> dict[str, Any]:
@@ -292,7 +311,7 @@ class Calibrating:
     def calibrations(self) -> dict[str, dict[str, Any]]:
         """:meth:`calibration_state` of every namespace with a calibration or a requirement."""
         with self._lock:
-            names = set(self._cals) | {n for n, ns in self._ns.items() if ns.prot is not None}
+            names = self._cals.keys() | self._protected
             return {n: self.calibration_state(n) for n in sorted(names)}
 
     def calibration_records(self) -> dict[str, dict[str, Any]]:
@@ -325,20 +344,22 @@ class Calibrating:
         achieves on the sample against its budget), ``calibration_reasons`` (why, where not active) and
         ``calibration_required`` (the namespace's own ``require_calibration``, where it has one; the store's
         is ``require_calibration``)."""
-        names = sorted(set(self._ns) | set(self._cals),
-                       key=lambda n: (n not in self._cals and (n not in self._ns or self._ns[n].prot is None), n))
-        listed = names[:STATS_NAMESPACES]
+        first = sorted(self._cals.keys() | self._protected)
+        listed = first[:STATS_NAMESPACES]
+        if len(listed) < STATS_NAMESPACES:
+            others = (n for n in self._names if n not in self._protected and n not in self._cals)
+            listed += itertools.islice(others, STATS_NAMESPACES - len(listed))
+        names = len(self._names) + sum(1 for n in self._cals if n not in self._ns)
         states = {n: self.calibration_state(n) for n in listed}
         return {"calibration_held_pages": self._cal_held_pages, "calibration_raw_pages": self._cal_raw_pages,
                 "require_calibration": self.require_calibration,
-                "calibrated_namespaces": sum(1 for ns in self._ns.values()
-                                             if ns.prot is not None and ns.prot.state == "active"),
+                "calibrated_namespaces": sum(1 for n in self._protected if self._ns[n].prot.state == "active"),
                 "calibration_states": {n: s["state"] for n, s in states.items()},
                 "calibration_budgets": {n: budget_text(s["levels"]) for n, s in states.items() if s.get("levels")},
                 "calibration_reasons": {n: s["reason"] for n, s in states.items()
                                         if s["reason"] and s["state"] != "active"},
                 "calibration_required": {n: self._cal_required[n] for n in listed if n in self._cal_required},
-                "calibration_unlisted": len(names) - len(listed)}
+                "calibration_unlisted": names - len(listed)}
 
 
 def budget_text(levels: dict[str, Any]) -> str:

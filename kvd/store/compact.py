@@ -46,6 +46,7 @@ class Compaction:
     _ledger: sp.Ledger
     _log: store_seq.CompactionLog
     _ns: dict[str, Namespace]
+    _holding: dict[str, Namespace]
     _fmt: str
     _level: Level
     _ordered: Level
@@ -149,7 +150,8 @@ class Compaction:
         return sp.RUNG[fmt] < sp.RUNG[target] and ns.rec_bytes[target] < ns.rec_bytes[fmt]
 
     def _backlog_bytes(self) -> int:
-        return sum(b for ns in self._ns.values() for fmt, b in ns.backlog.items() if b and self._shrinks(ns, fmt))
+        return sum(b for ns in self._holding.values() for fmt, b in ns.backlog.items()
+                   if b and self._shrinks(ns, fmt))
 
     def _recompress(self, seq: Seq, layer: int, row: int, old: bytearray) -> None:
         ns = seq.ns

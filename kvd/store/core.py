@@ -201,6 +201,9 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
         self._pinned: set[tuple[str, SeqId]] = set()  # sequences an append is building without the lock
         self._readers = 0  # reads decoding without the lock: removed records are not pooled meanwhile
         self._ns: dict[str, Namespace] = {}
+        # the namespaces with sequences in memory (or compaction backlog): the only ones with pages, so what
+        # the work repeated every report and every idle pass of a shard reads, however many are registered
+        self._holding: dict[str, Namespace] = {}
         self._seqs: OrderedDict[tuple[str, SeqId], Seq] = OrderedDict()  # least recently used first
         self._chains = Chains(by_prefix=eviction_order == "prefix")  # the eviction order (kvd.store.chains)
         self.eviction_order = eviction_order
@@ -286,7 +289,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
             for rung in range(3):
                 target = self.format_for(self._rung_level(rung))
                 extra = 0
-                for ns in self._ns.values():
+                for ns in self._holding.values():
                     for fmt, b in ns.backlog.items():
                         if b and sp.RUNG[fmt] > rung:
                             extra += b // ns.rec_bytes[fmt] * ns.rec_bytes[target] - b
@@ -320,7 +323,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
                 namespace, layers, heads, dim,
                 raw_layers=self.raw_layers, raw_heads=self.raw_heads, page_tokens=self.page_tokens,
             )  # fmt: skip
-            ns.protect(self._protection(ns))
+            self._note_namespace(ns)
             charge = sp.namespace_meta_bytes(layers)
             self._ledger.meta_bytes += charge
             self._ns_meta += charge

@@ -24,7 +24,7 @@ from kvd.policy import Level
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
 from kvd.store.chains import UNREACHABLE, Chains
-from kvd.store.sequences import Seq, SeqId
+from kvd.store.sequences import Namespace, Seq, SeqId
 
 if TYPE_CHECKING:
     from kvd.store.disk import DiskTier
@@ -38,6 +38,7 @@ class Eviction:
     _ledger: sp.Ledger
     _log: store_seq.CompactionLog
     _seqs: OrderedDict[tuple[str, SeqId], Seq]
+    _holding: dict[str, Namespace]
     _chains: Chains
     _ns_meta: int
     _tokens: int
@@ -138,5 +139,7 @@ class Eviction:
         self._log.forget(seq)  # its log entries go at a later prune (CompactionLog), uncharged from now on
         self._tokens -= seq.length
         ns.sequences -= 1
+        if not ns.sequences and not any(ns.backlog.values()):
+            del self._holding[ns.name]  # (a backlog left without pages would stay in sight)
         seq.pages, seq.tail, seq.alive = [], None, False
         self._log.prune()

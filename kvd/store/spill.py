@@ -59,6 +59,7 @@ class Spilling:
     _log: store_seq.CompactionLog
     _ns: dict[str, Namespace]
     _seqs: OrderedDict[tuple[str, SeqId], Seq]
+    _holding: dict[str, Namespace]
     _chains: Chains
     _disk: DiskTier | None
     _tokens: int
@@ -259,6 +260,7 @@ class Spilling:
                 led.meta_bytes += sp.ROW_META_BYTES
         led.meta_bytes += ns.seq_meta
         ns.sequences += 1
+        self._holding[ns.name] = ns
         self._tokens += h.length
         self._seqs[key] = seq
         self._chains.add(key, depth=h.position)  # (its link to its parent is not on disk; its children's are)

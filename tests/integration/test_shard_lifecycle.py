@@ -403,3 +403,38 @@ def test_a_registration_saves_one_part_of_the_namespaces_and_a_restart_recovers_
         assert len(names) == n and names["last"] == [2, 2, 8] and names["n7"] == [1, 1, 5]
     finally:
         second.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_registration_pushes_the_new_namespace_only_not_the_calibrations(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The push after a registration carries what it added: not every calibration the cluster keeps (a few KB
+    each, to every shard, with every registration)."""
+    from kvd.cluster.coordinator import Coordinator
+    from kvd.config import load_config
+
+    pushed: list[dict[str, Any]] = []
+
+    class Recorder:
+        def remote(self, payload: dict[str, Any]) -> Any:
+            pushed.append(payload)
+            raise LookupError("no Ray in this test: the push is recorded, not sent")
+
+    class Handle:
+        sync = Recorder()
+
+    monkeypatch.setattr(Coordinator, "_handle", lambda self, shard_id: Handle())
+    config = load_config(env={}, overrides={"cluster.shards": 1, "cluster.port": 0})
+    coordinator = Coordinator(config, host="127.0.0.1", kv=MemoryKV())
+    try:
+        coordinator.register("shard-0", "tcp://127.0.0.1:1", "a0")
+        for name in ("m", "n"):
+            assert coordinator.add_namespace(name, [2, 2, 8]) == {"ok": True}
+            assert coordinator.add_calibration(name, {"digest": f"d-{name}"}, True) == {"ok": True}
+        pushed.clear()
+        assert coordinator.add_namespace("new", [1, 1, 4]) == {"ok": True}
+        # (the sync thread's pushes, of everything to a shard that registered, carry no namespaces_from)
+        assert [(p["namespaces"], p.get("calibrations"), p.get("required")) for p in pushed
+                if "namespaces_from" in p] == [({"new": [1, 1, 4]}, None, None)]
+    finally:
+        coordinator.stop()
