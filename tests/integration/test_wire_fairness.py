@@ -305,3 +305,16 @@ def test_a_connection_with_nothing_queued_goes_ahead_of_one_that_keeps_a_queue()
         server.go.set()
         ctx.destroy(linger=0)
         server.stop()
+
+
+def test_a_peer_that_reads_its_replies_never_finds_its_pipe_full() -> None:
+    """ZeroMQ's pipe learns what its reader took only every (SNDHWM + 1) // 2 messages, so with SNDHWM replies
+    a peer that reads everything can find the pipe full at SNDHWM // 2 + 1 outstanding, and the reply is dropped
+    (the client then waits out its timeout): at SNDHWM 64 a client pipelining its window of 64 appends lost
+    one reply in tens of thousands. What a peer may have outstanding (the client's window; its share of the queue,
+    past which it gets Busy) must stay under that."""
+    from kvd.client.core import DEFAULT_WINDOW
+    from kvd.wire.server.loop import DEFAULT_HWM, DEFAULT_MAX_PEER_REQUESTS
+
+    never_full_below = DEFAULT_HWM - (DEFAULT_HWM + 1) // 2 + 1
+    assert never_full_below > max(DEFAULT_WINDOW, DEFAULT_MAX_PEER_REQUESTS)

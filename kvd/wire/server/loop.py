@@ -109,7 +109,13 @@ DEFAULT_MAX_QUEUED_BYTES = 256 * 1024 * 1024
 # One peer's requests queued or on the bulk lane: four times a client's pipelining window (kvd.client's
 # DEFAULT_WINDOW, 64), a quarter of the shared queue, so no one peer can take the whole queue.
 DEFAULT_MAX_PEER_REQUESTS = 256
-DEFAULT_HWM = 64  # replies per peer (SNDHWM); replies to a slow reader beyond it are dropped
+# Replies per peer (SNDHWM); replies to a slow reader beyond it are dropped (their bytes are bounded by the reply
+# budget). ZeroMQ's pipe learns what its reader took only every (hwm + 1) // 2 messages, so a peer that reads
+# everything as it comes can still find the pipe "full" with hwm // 2 + 1 replies outstanding: at 64, a client
+# pipelining its window of 64 appends lost a reply now and then (and waited out its timeout). So the bound is
+# four times a peer's share of the queue (max_peer_requests): over twice what a peer that reads may have
+# outstanding, with room for the Busy replies of one past its share.
+DEFAULT_HWM = 4 * DEFAULT_MAX_PEER_REQUESTS
 DEFAULT_LINGER_S = 0.1  # at stop, replies already queued get this long to leave
 IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and the stop flag are looked at
 # Most messages admitted (or refused) per turn before the next request runs. ZeroMQ's ROUTER reads its connections
