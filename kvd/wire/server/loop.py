@@ -121,8 +121,8 @@ IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and 
 # Most messages admitted (or refused) per turn before the next request runs. ZeroMQ's ROUTER reads its connections
 # in turn, so a few reads reach every connection with a message waiting; each read past a connection's share is a
 # Busy that a client retrying at once answers with another message, so more reads per turn would only spend the
-# loop on refusals (under a flood of 4,096-id lengths, a polite client's p99 was 85-105 ms at 256 a turn against
-# 12-34 ms at 4, alternating in one run on a loaded host: bench/wire.py --fairness --loop-variants 256,4).
+# loop on refusals (under a flood of 4,096-id lengths, a polite client's p99 was 61.9 ms at 256 a turn against
+# 7.7 ms at 4: bench/wire.py --fairness --loop-variants 256,4-rotation,4; BENCHMARKS.md, "Fairness").
 DRAIN_BATCH = 4
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
