@@ -51,6 +51,7 @@ COMPILED = (
     "store.pool",
     "store.sequences",
     "wire.messages",
+    "wire.peek",
     "wire.protocol",
     "wire.routing",
     "wire.schema",

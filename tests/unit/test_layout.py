@@ -24,7 +24,7 @@ CORE_PREFIXES = ("kvd.codec", "kvd.store", "kvd.config")
 CORE_MODULES = {
     "kvd", "kvd._native", "kvd.errors", "kvd.evaluate", "kvd.calibration", "kvd.policy", "kvd.pages",
     "kvd.kernels", "kvd.protocol",
-    "kvd.wire", "kvd.wire.protocol", "kvd.wire.messages", "kvd.wire.schema", "kvd.wire.routing",
+    "kvd.wire", "kvd.wire.protocol", "kvd.wire.peek", "kvd.wire.messages", "kvd.wire.schema", "kvd.wire.routing",
     "kvd.cluster", "kvd.cluster.membership", "kvd.cluster.registry",
 }
 FORBIDDEN_IN_CORE = {"ray", "zmq"}
