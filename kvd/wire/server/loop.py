@@ -73,8 +73,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
-import stat
 import threading
 import time
 from typing import Any
@@ -89,6 +87,7 @@ from kvd.codec import pages
 from kvd.errors import Busy, ConfigError, KvdError
 from kvd.wire import protocol as p
 from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig
+from kvd.wire.server.departures import Departures
 from kvd.wire.server.lane import BulkLane
 from kvd.wire.sockets import (
     HANDSHAKE_TIMEOUT_S,
@@ -127,8 +126,6 @@ DRAIN_BATCH = 4
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
-KNOWN_PEERS_MAX = 65536  # connections whose socket inode the loop keeps (one more forgets the oldest)
-GONE_PEERS_MAX = 16384  # connections known to have left, whose messages still delivered are dropped unrun
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
 # microseconds per call, a measurable share of a small request.
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
@@ -257,14 +254,7 @@ class RouterServer:
         self._took_fresh = False  # whether the last request run was a newcomer's
         self._queued = 0
         self._queued_bytes = 0
-        # departures (loop thread only): the socket inode of each connection a message came from, by identity
-        # (ROUTER-made identities only), the reverse, and the connections known to have left (oldest first)
-        self._peer_inode: dict[bytes, int] = {}
-        self._inode_peers: dict[int, list[bytes]] = {}
-        self._gone: dict[bytes, None] = {}
-        # inodes of connections that left before the loop saw any of their messages (ZeroMQ reports a disconnect
-        # before it closes the descriptor, so a first message may still find it open)
-        self._left_unseen: dict[int, None] = {}
+        self._departed = Departures(self._abandon)  # which connections have left (loop thread only)
         self._endpoint: str | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -496,7 +486,7 @@ class RouterServer:
             self._admit(sock, recv_frames(sock))
             n += 1
         if guard is not None and guard.departed:  # before a request runs: none for a peer that left
-            self._departures(guard)
+            self._departed.take(guard.departed)
         if not self._queued:
             return idle_work
         ident, frames, size, fd = self._next()
@@ -676,61 +666,8 @@ class RouterServer:
             self._unturn(ident)
 
     def _left(self, guard: ConnectionGuard, ident: bytes, fd: int) -> bool:
-        """Whether the connection ``ident`` (a ROUTER-made identity) that sent a message on descriptor ``fd`` has
-        left; the first message of a connection records its socket's inode."""
-        if guard.departed:
-            self._departures(guard)
-        if ident in self._gone:
-            return True
-        if ident in self._peer_inode:
-            return False
-        # Its first message: while a connection lasts, the descriptor its messages carry is its own socket. Closed
-        # already (or another kind of file now), or a socket whose departure came first: it left before the loop
-        # saw it. Another socket now (the number reused): the connection is taken for that one, and its departure
-        # is then learned late, never early.
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            st = None
-        if st is None or not stat.S_ISSOCK(st.st_mode) or st.st_ino in self._left_unseen:
-            self._gone_peer(ident)
-            return True
-        peer_inode = self._peer_inode
-        if len(peer_inode) >= KNOWN_PEERS_MAX:
-            self._forget_peer(next(iter(peer_inode)))
-        peer_inode[ident] = st.st_ino
-        self._inode_peers.setdefault(st.st_ino, []).append(ident)
-        return False
-
-    def _departures(self, guard: ConnectionGuard) -> None:
-        """Take the connections the guard saw end: their queued reads are dropped, and so are their later ones."""
-        departed = guard.departed
-        while departed:
-            ino = departed.popleft()
-            idents = self._inode_peers.pop(ino, None)
-            if idents is None:  # none of its messages seen yet: its first one may still find its descriptor open
-                unseen = self._left_unseen
-                if len(unseen) >= GONE_PEERS_MAX:
-                    del unseen[next(iter(unseen))]
-                unseen[ino] = None
-                continue
-            for ident in idents:
-                self._peer_inode.pop(ident, None)
-                self._gone_peer(ident)
-
-    def _gone_peer(self, ident: bytes) -> None:
-        gone = self._gone
-        if len(gone) >= GONE_PEERS_MAX:
-            del gone[next(iter(gone))]
-        gone[ident] = None
-        self._abandon(ident)
-
-    def _forget_peer(self, ident: bytes) -> None:
-        ino = self._peer_inode.pop(ident)
-        peers = self._inode_peers[ino]
-        peers.remove(ident)
-        if not peers:
-            del self._inode_peers[ino]
+        """Whether the connection ``ident`` (a ROUTER-made identity) that sent a message on ``fd`` has left."""
+        return self._departed.left(guard.departed, ident, fd)
 
     def _run(self, frames: list[zmq.Frame], ident: bytes, size: int, fd: int) -> list[p.Frame] | None:
         """Parse, execute and encode: the reply frames; or None when the request went to the bulk lane (its
