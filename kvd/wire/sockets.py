@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
 import struct
 import termios
 import threading
@@ -176,15 +177,25 @@ TRIM_EVERY_S = 30.0
 DEPARTED_MAX = 65536
 
 
+def _names(fd: int, ino: int) -> bool:
+    """Whether descriptor number ``fd`` names the socket of inode ``ino`` now."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISSOCK(st.st_mode) and st.st_ino == ino
+
+
 class _Conn:
     __slots__ = ("sock", "fd", "ino", "opened", "base_received", "base_acked", "base_in", "base_out", "unread",
-                 "held", "left", "stalled", "suspect", "cut")
+                 "held", "left", "stalled", "suspect", "cut", "leaving")
 
     def __init__(self, sock: socket.socket, fd: int, ino: int, opened: float) -> None:
         self.sock, self.fd, self.ino, self.opened = sock, fd, ino, opened
         self.base_received = self.base_acked = self.base_in = self.base_out = 0
         self.unread = self.held = self.left = 0  # left: reply bytes that reached the kernel
         self.stalled = self.cut = False
+        self.leaving = False  # announced disconnected while its number still named it (ConnectionGuard._events)
         self.suspect: tuple[int, int] | None = None  # (drains, delivered) when it was seen over the limit
 
 
@@ -203,6 +214,10 @@ class ConnectionGuard:
     engine's: a peer refused at once is announced closed first), so by the time an ACCEPTED is read its
     descriptor number may name another socket: the guard takes it only if it is a connection to the listener
     that announced it (same local port) and not one it already holds (same socket inode, e.g. its own copy).
+    So the copy it took on a late ACCEPTED may be a newer connection's, and the events of the number that follow
+    (the earlier connection's DISCONNECTED, the newer one's ACCEPTED) must not end it: a connection is taken for
+    ended only once its number no longer names the socket held (ZeroMQ closes a descriptor right after announcing
+    its disconnect), else the serving loop would drop a live client's reads as a departed peer's.
 
     Every ``interval_s`` it
 
@@ -332,11 +347,18 @@ class ConnectionGuard:
             except zmq.Again:
                 return
             event, fd = struct.unpack("=Hi", parts[0][:6])
+            held = self._conns.get(fd)
+            if held is not None and _names(fd, held.ino):
+                # The number still names the socket the guard holds. An ACCEPTED: that connection's own, read
+                # after the guard took it on an earlier connection's late ACCEPTED. A DISCONNECTED: either it is
+                # ending (ZeroMQ announces that before it closes the descriptor) or an earlier connection of that
+                # number is, read late; the look after ZeroMQ closed it tells (a connection's own ACCEPTED cannot
+                # come after its DISCONNECTED while it still has the number).
+                held.leaving = event != zmq.EVENT_ACCEPTED
+                continue
+            self._forget(fd)  # (the number names another socket now, or none: the connection held has ended)
             if event == zmq.EVENT_ACCEPTED:
-                self._forget(fd)
                 self._accept(fd, parts[1] if len(parts) > 1 else b"")
-            else:  # DISCONNECTED / CLOSED
-                self._forget(fd)
 
     def _accept(self, fd: int, endpoint: bytes) -> None:
         try:
@@ -390,6 +412,8 @@ class ConnectionGuard:
         return received, acked
 
     def _look(self, now: float) -> None:
+        for conn in [c for c in self._conns.values() if c.leaving and not _names(c.fd, c.ino)]:
+            self._forget(conn.fd)  # announced disconnected, and ZeroMQ has closed it since
         sent_total = self.sent_total
         unread_total = held_total = 0
         for conn in self._conns.values():

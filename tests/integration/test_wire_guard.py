@@ -2,7 +2,10 @@
 must never keep a connection open that ZeroMQ closed: libzmq announces a connection's ACCEPTED from the
 listener's I/O thread and its DISCONNECTED from the engine's, so with two I/O threads a peer refused at once is
 announced closed before it is announced accepted, and by the time the guard reads the late ACCEPTED its
-descriptor number names something else. A garbage peer was held open that way (CI, test_wire_handshake)."""
+descriptor number names something else. A garbage peer was held open that way (CI, test_wire_handshake). Nor may
+it announce a live connection departed because an earlier connection's events of the same number were read late:
+the serving loop drops a departed peer's reads (CI, test_wire_hostile's fuzz test: a get after an oversize frame
+cut another peer went unanswered)."""
 
 from __future__ import annotations
 
@@ -134,3 +137,75 @@ def test_the_guard_lets_go_of_a_connection_zeromq_closed(listener: Listener) -> 
     server_end.close()
     assert _sees_eof(peer)
     peer.close()
+
+
+def _ino(sock: socket.socket) -> int:
+    return os.fstat(sock.fileno()).st_ino
+
+
+def _processed(listener: Listener) -> tuple[socket.socket, socket.socket]:
+    """Returns once the guard has handled every event sent before: it took a copy of one more connection (the
+    pair returned, for the caller to close)."""
+    marker, marker_end = listener.connect()
+    listener.event(zmq.EVENT_ACCEPTED, marker_end.fileno())
+    assert _wait_for(lambda: _copies(marker_end.fileno())), "the guard did not take the marker connection"
+    return marker, marker_end
+
+
+def _reuse_number(listener: Listener, fd: int) -> tuple[socket.socket, socket.socket]:
+    """A new connection whose server end has the descriptor number ``fd`` (just closed: the lowest free one)."""
+    peer, server_end = listener.connect()
+    assert server_end.fileno() == fd, "the kernel gives the lowest free descriptor number"
+    return peer, server_end
+
+
+def test_a_peer_refused_at_once_never_makes_the_connection_that_took_its_number_a_departure(
+        listener: Listener) -> None:
+    # ZeroMQ refuses a peer at once (an oversize frame): the engine's I/O thread announces the disconnect and
+    # closes the descriptor before the listener's thread announces the accept; a client connecting next takes the
+    # number. The guard reads the late ACCEPTED when the number names the new client: it must not then announce
+    # the new client departed on reading its own ACCEPTED.
+    refused, refused_end = listener.connect()
+    fd = refused_end.fileno()
+    listener.event(zmq.EVENT_DISCONNECTED, fd)
+    refused_end.close()
+    refused.close()
+    client, client_end = _reuse_number(listener, fd)
+    listener.event(zmq.EVENT_ACCEPTED, fd)  # the refused peer's, read late
+    listener.event(zmq.EVENT_ACCEPTED, fd)  # the client's own
+    marker = _processed(listener)
+    assert list(listener.guard.departed) == [], "a live client was announced departed"
+    assert len(_copies(fd)) == 1, "the guard holds one copy of the live client's connection"
+    # its real departure is still announced, once
+    listener.event(zmq.EVENT_DISCONNECTED, fd)
+    ino = _ino(client_end)
+    client_end.close()
+    assert _sees_eof(client), "the guard still holds the client's connection ZeroMQ closed"
+    assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
+    for s in (client, *marker):
+        s.close()
+
+
+def test_a_departure_read_late_is_never_taken_for_the_connection_that_took_its_number(listener: Listener) -> None:
+    # The guard reads a connection's ACCEPTED late: the connection has ended meanwhile (its DISCONNECTED waits
+    # behind) and a new client has its number, so the guard's copy is the client's. Neither the old connection's
+    # DISCONNECTED nor the client's own ACCEPTED may announce the client departed.
+    old, old_end = listener.connect()
+    fd = old_end.fileno()
+    old_end.close()
+    old.close()
+    client, client_end = _reuse_number(listener, fd)
+    listener.event(zmq.EVENT_ACCEPTED, fd)  # the old connection's, read after the client took the number
+    _wait_for(lambda: _copies(fd))
+    listener.event(zmq.EVENT_DISCONNECTED, fd)  # the old connection's
+    listener.event(zmq.EVENT_ACCEPTED, fd)  # the client's
+    marker = _processed(listener)
+    assert list(listener.guard.departed) == [], "a live client was announced departed"
+    assert len(_copies(fd)) == 1
+    listener.event(zmq.EVENT_DISCONNECTED, fd)
+    ino = _ino(client_end)
+    client_end.close()
+    assert _sees_eof(client)
+    assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
+    for s in (client, *marker):
+        s.close()
