@@ -1,5 +1,5 @@
-"""Prefix-aware eviction (kvd.store.chains): the order against a model, and a full store giving up a chain's
-unreachable blocks first, then chain tails, then by recency."""
+"""Prefix-aware eviction (kvd.store.chains): the order against a model, stale tails before deep ones, and a full
+store giving up a chain's unreachable blocks first, then chain tails, then by recency."""
 
 from __future__ import annotations
 
@@ -11,7 +11,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvd.errors import ConfigError, InvalidArgument, UnknownSequence
 from kvd.store import Store
-from kvd.store.chains import INNER, TAIL, UNREACHABLE, Chains
+from kvd.store.chains import (
+    GHOSTS,
+    INNER,
+    STALE_FACTOR,
+    STALE_QUANTILE,
+    TAIL,
+    UNREACHABLE,
+    Chains,
+    bucket_floor,
+    reuse_bucket,
+)
 
 KEYS = list(range(7))
 
@@ -21,11 +31,20 @@ class ChainsModel(RuleBasedStateMachine):
     parent left the store for good (evicted, dropped, or dropped from disk) while the key was held and has not
     come back; a parent the store did not hold when the key came leaves it reachable. The victim is the key of the
     lowest tier (unreachable, then tails, then keys some key in memory names as parent), then the deepest, then
-    the least recently used."""
+    the least recently used; but when that is a tail, the least recently used tail unused for longer than the
+    staleness bound goes first. The bound: STALE_FACTOR x the STALE_QUANTILE quantile of the reuse distances (a
+    key used again, in memory or back after it left: uses since its last one), taken at the floor of its bucket
+    (reuse_bucket), recomputed every REUSE_EVERY new distances once REUSE_MIN are known."""
+
+    REUSE_MIN, REUSE_EVERY = 3, 2  # (small, so that the bound comes into play within a few steps)
 
     def __init__(self) -> None:
         super().__init__()
-        self.chains = Chains()
+        self.chains = Chains(reuse_min=self.REUSE_MIN, reuse_every=self.REUSE_EVERY)
+        self.reuse: list[int] = []
+        self.fresh = 0  # distances since the bound was computed
+        self.bound: int | None = None
+        self.left_at: dict[int, int] = {}  # key that left memory -> its last use
         self.mem: dict[int, int | None] = {}  # key in memory -> the parent it named
         self.depth: dict[int, int] = {}
         self.orphan: set[int] = set()  # keys in memory whose parent left for good while they were held
@@ -35,13 +54,22 @@ class ChainsModel(RuleBasedStateMachine):
 
     def _use(self, key: int) -> None:
         self.clock += 1
+        last = self.used[key] if key in self.mem and key in self.used else self.left_at.pop(key, None)
+        if last is not None:
+            self.reuse.append(self.clock - last)
+            self.fresh += 1
+            if self.fresh >= self.REUSE_EVERY and len(self.reuse) >= self.REUSE_MIN:
+                self.fresh = 0
+                ordered = sorted(self.reuse)
+                at = ordered[min(len(ordered) - 1, int(STALE_QUANTILE * len(ordered)))]
+                self.bound = int(STALE_FACTOR * bucket_floor(reuse_bucket(at)))
         self.used[key] = self.clock
 
     def _enter(self, key: int, parent: int | None, depth: int) -> None:
-        self.mem[key], self.depth[key] = parent, depth
         self.orphan.discard(key)
         self.orphan -= {c for c, p in self.mem.items() if p == key}  # its children are found again
         self._use(key)
+        self.mem[key], self.depth[key] = parent, depth
 
     @rule(key=st.sampled_from(KEYS), parent=st.none() | st.sampled_from(KEYS), depth=st.integers(0, 2))
     def add(self, key: int, parent: int | None, depth: int) -> None:
@@ -78,6 +106,8 @@ class ChainsModel(RuleBasedStateMachine):
         else:
             self.disk.discard(key)
             self.orphan |= children
+        if key in self.mem:
+            self.left_at[key] = self.used[key]
         self.mem.pop(key, None)
         self.orphan.discard(key)
 
@@ -108,9 +138,14 @@ class ChainsModel(RuleBasedStateMachine):
         assert len(self.chains) == len(self.mem)
         for key in self.mem:
             assert self.chains.tier(key) == self.tier(key), key
+        assert self.chains.stale_after == self.bound
         for exclude in [None, *self.mem]:
             rest = [k for k in self.mem if k != exclude]
             want = min(rest, key=lambda k: (self.tier(k), -self.depth[k], self.used[k])) if rest else None
+            if want is not None and self.tier(want) == TAIL and self.bound is not None:
+                stale = [k for k in rest if self.tier(k) == TAIL and self.clock - self.used[k] > self.bound]
+                if stale:
+                    want = min(stale, key=lambda k: self.used[k])
             assert self.chains.victim(exclude) == want
 
 
@@ -138,8 +173,73 @@ def test_a_victim_costs_log_n_when_uses_leave_stale_entries() -> None:
     for _ in range(50):
         for k in range(100):
             chains.touch(k)
-    assert len(chains._heap) <= 2 * len(chains) + 64  # rebuilt: stale entries never outnumber live ones
+    assert len(chains._heap) <= 2 * len(chains) + 64  # rebuilt: outdated entries never outnumber live ones
+    assert len(chains._recent) <= 2 * len(chains) + 64
     assert chains.victim() == 9  # the oldest chain's tail
+
+
+def test_a_reuse_distance_is_counted_in_a_bucket_a_quarter_of_its_power_of_two_wide() -> None:
+    assert [reuse_bucket(d) for d in range(9)] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    for d in [*range(1, 5000), 2**40 + 12345, 2**64 - 1]:
+        floor = bucket_floor(reuse_bucket(d))
+        assert floor <= d < bucket_floor(reuse_bucket(d) + 1)
+        assert d - floor <= max(0, d // 4), d
+    assert reuse_bucket(2**64 - 1) < 4 * 64
+
+
+def _cycle(chains: Chains, keys: list[str], times: int) -> None:
+    for _ in range(times):
+        for key in keys:
+            chains.touch(key)
+
+
+def test_a_chain_nobody_uses_any_more_goes_before_the_deep_blocks_of_chains_in_use() -> None:
+    # Prompts that changed: an old prompt's two blocks, then 8 chains of 4 blocks, each a live prompt's, used in
+    # turn (a reuse distance of 32 uses). Depth alone would give up a live chain's last block first and keep the
+    # old prompt's blocks for ever.
+    chains = Chains()
+    chains.add("old-0", depth=0)
+    chains.add("old-1", "old-0", depth=128)
+    live = [f"p{i}-{d}" for i in range(8) for d in range(4)]
+    for key in live:
+        i, d = key[1:].split("-")
+        chains.add(key, f"p{i}-{int(d) - 1}" if d != "0" else None, depth=int(d) * 128)
+    assert chains.victim() == "p0-3", "the order learns nothing before enough reuse is known: depth first"
+    _cycle(chains, live, 5)  # 160 reuse distances of 32
+    assert chains.stale_after == int(STALE_FACTOR * 32)
+    order = []
+    while len(order) < 2:
+        order.append(victim := chains.victim())
+        chains.remove(victim)
+    assert order == ["old-1", "old-0"], "the stale chain goes first, tail then head"
+    assert chains.victim() == "p0-3", "then the deepest of the chains in use, as before"
+
+
+def test_a_workload_whose_prompts_recur_keeps_the_depth_order() -> None:
+    # Every chain used within the bound: nothing is stale, the deepest tail goes first.
+    chains = Chains()
+    keys = [f"p{i}-{d}" for i in range(8) for d in range(3)]
+    for key in keys:
+        i, d = key[1:].split("-")
+        chains.add(key, f"p{i}-{int(d) - 1}" if d != "0" else None, depth=int(d) * 128)
+    _cycle(chains, keys, 6)
+    assert chains.stale_after is not None
+    assert chains.victim() == "p0-2"
+
+
+def test_a_sequence_stored_again_after_its_eviction_counts_its_reuse_and_the_memory_of_departures_is_bounded(
+        ) -> None:
+    chains = Chains(reuse_min=1, reuse_every=1)
+    chains.add("a")
+    for i in range(99):
+        chains.add(f"x{i}")
+    chains.remove("a")  # evicted, 99 uses after its last one ...
+    chains.add("a")  # ... and stored again at the 100th: one reuse distance of 100 (counted as 96-111)
+    assert chains.stale_after == int(STALE_FACTOR * 96)
+    for i in range(3 * GHOSTS):
+        chains.add(f"y{i}")
+        chains.remove(f"y{i}")
+    assert len(chains._left_at) <= GHOSTS
 
 
 # ------------------------------------------------------------------------------------------ through the store
