@@ -7,8 +7,15 @@ a time: a decode step (a one-token append of the 7B-class layout, 32 layers x 8 
 
 * **lengths**: keeps 1,500 ``lengths`` requests of 4,096 ids each in flight on one connection (it sends 1,500,
   then one more for every reply, Busy or not);
+* **lengths, elsewhere**: the same ``lengths`` flood against a second shard server on this machine, not the
+  polite client's: the baseline of the same run for what sharing the machine's cores costs (this machine has
+  two, for the polite client, its server, the flooder and the server it floods), apart from how the polite
+  client's own server serves its peers;
 * **gets, leaving**: pipelines 1,000 gets of a 1 MiB sequence, closes its connection without reading, and does
-  it again on a new one (its "answered" column counts the gets sent).
+  it again on a new one at once (its "answered" column counts the gets sent): a flood of messages as fast as
+  one process sends them;
+* **gets, leaving 1/s**: the same, once a second (the case issue 32 measured: a client that pipelines 1,000
+  gets and leaves).
 
 Rounds of ``seconds`` alternate quiet (the polite client alone) and loaded (with the flooder); each reports the
 polite client's p50 / p99 / max over its requests, and the flooder's requests answered and refused (Busy). The
@@ -88,6 +95,7 @@ def _flood(endpoint: str, kind: str, stop: Any, out: Any) -> None:
         else:
             frames = p.encode_request(p.GetRequest(request_id=1, namespace=GET_NS, seq_id="big"))
             while not stop.is_set():
+                started = time.monotonic()
                 once = zmq.Context()
                 sock = once.socket(zmq.DEALER)
                 sock.setsockopt(zmq.SNDHWM, 0)
@@ -97,6 +105,8 @@ def _flood(endpoint: str, kind: str, stop: Any, out: Any) -> None:
                 sock.close(linger=5000)
                 once.term()  # returns once the requests have left; then the connection is gone
                 answered += FLOOD_GETS
+                if kind == "gets1":
+                    stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
     finally:
         ctx.destroy(linger=0)
         out.send((answered, busy))
@@ -122,14 +132,25 @@ def _polite(client: Client, seconds: float) -> list[float]:
     return lat
 
 
+# (the table's name, the flooder's kind, whether it floods the second server)
+FLOODS = (("lengths", "lengths", False), ("lengths, elsewhere", "lengths", True),
+          ("gets, leaving 1/s", "gets1", False), ("gets, leaving", "gets", False))
+
+
 def fairness_only(seconds: float, rounds: int) -> int:
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    server = ctx.Process(target=_server, args=(child,), daemon=True)
-    server.start()
-    endpoint = parent.recv()
+    servers, endpoints = [], []
+    for _ in range(2):  # the polite client's, and the one the "elsewhere" flood hits
+        parent, child = ctx.Pipe()
+        server = ctx.Process(target=_server, args=(child,), daemon=True)
+        server.start()
+        servers.append((server, parent))
+        endpoints.append(parent.recv())
+    endpoint, elsewhere = endpoints
     rows: list[tuple[str, str, list[float], tuple[int, int]]] = []
     try:
+        with Client(elsewhere, timeout_s=60) as other:
+            other.register(NS, **LAYOUT)
         with Client(endpoint, timeout_s=60) as client:
             client.register(NS, **LAYOUT)
             client.register(GET_NS, **GET_LAYOUT)
@@ -137,27 +158,33 @@ def fairness_only(seconds: float, rounds: int) -> int:
             big = rng.standard_normal((2, GET_TOKENS, 8, 128), dtype=np.float32).astype(np.float16)
             client.append(GET_NS, "big", big, big)
             _polite(client, 1.0)  # warm up
-            for kind in ("lengths", "gets, leaving"):
-                for _ in range(rounds):
-                    rows.append((kind, "quiet", _polite(client, seconds), (0, 0)))
-                    stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
-                    flooder = ctx.Process(target=_flood, args=(endpoint, kind.split(",")[0], stop, tx),
-                                          daemon=True)
-                    flooder.start()
-                    time.sleep(0.5)  # the flood is under way before the polite client's round starts
-                    lat = _polite(client, seconds)
-                    stop.set()
-                    counts = rx.recv() if rx.poll(30) else (-1, -1)
+            # in turn, so that the host's slower and faster minutes fall on each; the continuous gets flood last,
+            # all its rounds: the backlog it leaves in ZeroMQ outlasts it (the quiet rounds after it say how long)
+            order = [f for _ in range(rounds) for f in FLOODS[:-1]] + [FLOODS[-1]] * rounds
+            for kind, flood, away in order:
+                rows.append((kind, "quiet", _polite(client, seconds), (0, 0)))
+                stop, (rx, tx) = ctx.Event(), ctx.Pipe(duplex=False)
+                flooder = ctx.Process(target=_flood, args=(elsewhere if away else endpoint, flood, stop, tx),
+                                      daemon=True)
+                flooder.start()
+                time.sleep(0.5)  # the flood is under way before the polite client's round starts
+                lat = _polite(client, seconds)
+                stop.set()
+                counts = rx.recv() if rx.poll(30) else (-1, -1)
+                flooder.join(10)
+                if flooder.is_alive():  # the next quiet round must be quiet
+                    print(f"{kind}: the flooder did not end in 10 s: killed")
+                    flooder.kill()
                     flooder.join(10)
-                    if flooder.is_alive():  # the next quiet round must be quiet
-                        print(f"{kind}: the flooder did not end in 10 s: killed")
-                        flooder.kill()
-                        flooder.join(10)
-                    rows.append((kind, "loaded", lat, counts))
+                rows.append((kind, "loaded", lat, counts))
     finally:
-        parent.send("stop")
-        metrics = parent.recv() if parent.poll(30) else {}
-        server.join(10)
+        metrics = {}
+        for i, (server, parent) in enumerate(servers):
+            parent.send("stop")
+            got = parent.recv() if parent.poll(30) else {}
+            if i == 0:
+                metrics = got
+            server.join(10)
     _report(rows, metrics, seconds)
     return 0
 
@@ -170,17 +197,17 @@ def _report(rows: list[tuple[str, str, list[float], tuple[int, int]]], metrics: 
             seconds: float) -> None:
     print(f"\npolite client (decode-step append 128 KiB / lengths of 64 ids, one at a time), "
           f"{seconds:.0f} s rounds")
-    print(f"{'flooder':<15}{'round':<8}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
+    print(f"{'flooder':<20}{'round':<8}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
           f"{'flood answered':>16}{'flood busy':>12}")
     for kind, phase, lat, (answered, busy) in rows:
         flood = f"{answered:>16}{busy:>12}" if phase == "loaded" else f"{'':>16}{'':>12}"
-        print(f"{kind:<15}{phase:<8}{len(lat):>9}{_ms(lat, 0.5):>9.2f}{_ms(lat, 0.99):>9.2f}"
+        print(f"{kind:<20}{phase:<8}{len(lat):>9}{_ms(lat, 0.5):>9.2f}{_ms(lat, 0.99):>9.2f}"
               f"{max(lat) * 1e3:>9.1f}{flood}")
-    print(f"\n{'flooder':<15}{'median quiet p99':>17}{'median loaded p99':>18}{'ratio':>7}")
+    print(f"\n{'flooder':<20}{'median quiet p99':>17}{'median loaded p99':>18}{'ratio':>7}")
     for kind in dict.fromkeys(r[0] for r in rows):
         quiet = statistics.median(_ms(r[2], 0.99) for r in rows if r[0] == kind and r[1] == "quiet")
         loaded = statistics.median(_ms(r[2], 0.99) for r in rows if r[0] == kind and r[1] == "loaded")
-        print(f"{kind:<15}{quiet:>17.2f}{loaded:>18.2f}{loaded / quiet:>7.2f}")
+        print(f"{kind:<20}{quiet:>17.2f}{loaded:>18.2f}{loaded / quiet:>7.2f}")
     keys = ("busy", "busy_share", "requests_abandoned", "replies_dropped", "queue_peak")
     print("server: " + ", ".join(f"{k} {metrics.get(k)}" for k in keys))
 
