@@ -36,8 +36,9 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   Only if that is not enough it refuses with :class:`~kvd.errors.OutOfMemory` when no room can be made
   (``eviction="none"`` and the pool emptied is not enough, or the sequence alone cannot fit); otherwise it
   builds its pages first, then empties the pool and evicts whole sequences (never the sequence being appended
-  to) until they fit, those no lookup can reach first, then chain tails, the deepest in their prompt first,
-  each least recently used first (:mod:`kvd.store.chains`: plain LRU for sequences outside chains), then
+  to) until they fit, those no lookup can reach first, then chain tails (those unused for longer than the
+  store's reuse has shown worth waiting for, then the deepest in their prompt), each least recently used first
+  (:mod:`kvd.store.chains`: plain LRU for sequences outside chains), then
   commits (:mod:`kvd.store.evict`). The check counts the peak (new buffers are allocated before the ones they
   replace are freed), so ``used_bytes`` never exceeds ``capacity_bytes``; while an evicting append runs, the
   process holds that append's new pages beyond the capacity (as a Redis command may exceed ``maxmemory`` by its
@@ -141,8 +142,9 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
     ``page_tokens`` (P, default 64), ``window_tokens`` (default 0), ``sink_tokens`` (default 4),
     ``raw_layers`` / ``raw_heads`` (indices kept fp16 in every namespace; registering a layout they do not
     fit is refused), ``eviction`` (``"lru"`` or ``"none"``), ``eviction_order`` (``"prefix"``: what no lookup
-    can reach first, then chain tails, the deepest in their prompt first, then least recently used, by the
-    ``parent`` and ``position`` appends give, :mod:`kvd.store.chains`; ``"recency"``: least recently used alone),
+    can reach first, then chain tails (stale ones, then the deepest in their prompt), then least recently
+    used, by the ``parent`` and ``position`` appends give, :mod:`kvd.store.chains`; ``"recency"``: least
+    recently used alone),
     ``eight_bit`` (the 8-bit rung's page format:
     ``"q8"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``), ``max_level`` (the most compact level an append that does not
     fit may compress to before it evicts or is refused: the policy's ``max_level``, default q4; fp16 turns
