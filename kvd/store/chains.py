@@ -59,7 +59,8 @@ from __future__ import annotations
 
 import collections
 import heapq
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 __all__ = ["Chains", "INNER", "TAIL", "UNREACHABLE", "bucket_floor", "reuse_bucket"]
 
@@ -256,41 +257,31 @@ class Chains:
 
     def victim(self, exclude: Hashable | None = None) -> Hashable | None:
         """The key to give up first, never ``exclude``; None if there is none."""
-        heap, held = self._heap, []
-        found = None
-        while heap:
-            tier, depth, tick, key = heap[0]
-            if self._state.get(key) != (tier, depth, tick):
-                heapq.heappop(heap)  # outdated
-                continue
-            if key == exclude:
-                held.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for entry in held:
-            heapq.heappush(heap, entry)
-        if found is not None and self._stale_after is not None and self._state[found][0] == TAIL:
-            oldest = self._oldest_tail(exclude)
-            if oldest is not None and self._tick - self._state[oldest][2] > self._stale_after:
+        state = self._state
+        found = _top(self._heap, lambda e: state.get(e[3]) == e[:3], exclude)
+        if found is not None and self._stale_after is not None and state[found][0] == TAIL:
+            oldest = _top(self._recent, lambda e: (s := state.get(e[1])) is not None and s[0] == TAIL
+                          and s[2] == e[0], exclude)  # the least recently used tail
+            if oldest is not None and self._tick - state[oldest][2] > self._stale_after:
                 return oldest
         return found
 
-    def _oldest_tail(self, exclude: Hashable | None) -> Hashable | None:
-        """The least recently used tail other than ``exclude``."""
-        recent, held = self._recent, []
-        found = None
-        while recent:
-            tick, key = recent[0]
-            state = self._state.get(key)
-            if state is None or state[0] != TAIL or state[2] != tick:
-                heapq.heappop(recent)  # outdated
-                continue
-            if key == exclude:
-                held.append(heapq.heappop(recent))
-                continue
-            found = key
-            break
-        for entry in held:
-            heapq.heappush(recent, entry)
-        return found
+
+def _top(heap: list[Any], current: Callable[[Any], bool], exclude: Hashable | None) -> Hashable | None:
+    """The key (an entry's last item) of ``heap``'s first entry that is ``current``, other than ``exclude``;
+    outdated entries on the way are dropped."""
+    held = []
+    found = None
+    while heap:
+        entry = heap[0]
+        if not current(entry):
+            heapq.heappop(heap)  # outdated
+            continue
+        if entry[-1] == exclude:
+            held.append(heapq.heappop(heap))
+            continue
+        found = entry[-1]
+        break
+    for entry in held:
+        heapq.heappush(heap, entry)
+    return found
