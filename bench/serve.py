@@ -495,7 +495,7 @@ def replay(args: argparse.Namespace) -> None:
     print("| workload | prompt tokens | LRU | prefix-aware | unlimited | evictions LRU / prefix-aware |")
     print("|---|---|---|---|---|---|")
     for workload in args.workloads:
-        phases = [replay_prompts(args, workload, 7 + i) for i in range(args.phases)]
+        phases = [replay_prompts(args, workload, args.seed + i) for i in range(args.phases)]
         hit: dict[str, list[int]] = {}
         evictions: dict[str, int] = {}
         for name, budget, order in (("lru", args.budget, "recency"), ("prefix", args.budget, "prefix"),
@@ -656,6 +656,8 @@ def main() -> int:
                     help="only replay the workloads' block chains into a store: hit rates by eviction order")
     ap.add_argument("--phases", type=int, default=1,
                     help="with --replay: this many runs of each workload, new prompts each, through one store")
+    ap.add_argument("--seed", type=int, default=7,
+                    help="with --replay: the first phase's prompts (the next phases take the next seeds)")
     args = ap.parse_args()
     if args.smoke:
         args.rounds, args.prompts, args.prefixes, args.users, args.turns = 1, 8, 2, 2, 2
