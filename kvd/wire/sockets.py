@@ -188,14 +188,13 @@ def _names(fd: int, ino: int) -> bool:
 
 class _Conn:
     __slots__ = ("sock", "fd", "ino", "opened", "base_received", "base_acked", "base_in", "base_out", "unread",
-                 "held", "left", "stalled", "suspect", "cut", "leaving")
+                 "held", "left", "stalled", "suspect", "cut")
 
     def __init__(self, sock: socket.socket, fd: int, ino: int, opened: float) -> None:
         self.sock, self.fd, self.ino, self.opened = sock, fd, ino, opened
         self.base_received = self.base_acked = self.base_in = self.base_out = 0
         self.unread = self.held = self.left = 0  # left: reply bytes that reached the kernel
         self.stalled = self.cut = False
-        self.leaving = False  # announced disconnected while its number still named it (ConnectionGuard._events)
         self.suspect: tuple[int, int] | None = None  # (drains, delivered) when it was seen over the limit
 
 
@@ -217,7 +216,8 @@ class ConnectionGuard:
     So the copy it took on a late ACCEPTED may be a newer connection's, and the events of the number that follow
     (the earlier connection's DISCONNECTED, the newer one's ACCEPTED) must not end it: a connection is taken for
     ended only once its number no longer names the socket held (ZeroMQ closes a descriptor right after announcing
-    its disconnect), else the serving loop would drop a live client's reads as a departed peer's.
+    its disconnect; every look checks), else the serving loop would drop a live client's reads as a departed
+    peer's. A connection whose events came in an order that left it held after it ended is let go the same way.
 
     Every ``interval_s`` it
 
@@ -352,9 +352,7 @@ class ConnectionGuard:
                 # The number still names the socket the guard holds. An ACCEPTED: that connection's own, read
                 # after the guard took it on an earlier connection's late ACCEPTED. A DISCONNECTED: either it is
                 # ending (ZeroMQ announces that before it closes the descriptor) or an earlier connection of that
-                # number is, read late; the look after ZeroMQ closed it tells (a connection's own ACCEPTED cannot
-                # come after its DISCONNECTED while it still has the number).
-                held.leaving = event != zmq.EVENT_ACCEPTED
+                # number is, read late. Either way the look forgets it once ZeroMQ has closed it.
                 continue
             self._forget(fd)  # (the number names another socket now, or none: the connection held has ended)
             if event == zmq.EVENT_ACCEPTED:
@@ -412,8 +410,8 @@ class ConnectionGuard:
         return received, acked
 
     def _look(self, now: float) -> None:
-        for conn in [c for c in self._conns.values() if c.leaving and not _names(c.fd, c.ino)]:
-            self._forget(conn.fd)  # announced disconnected, and ZeroMQ has closed it since
+        for conn in [c for c in self._conns.values() if not _names(c.fd, c.ino)]:
+            self._forget(conn.fd)  # ZeroMQ has closed it (its number names another socket now, or none): ended
         sent_total = self.sent_total
         unread_total = held_total = 0
         for conn in self._conns.values():

@@ -209,3 +209,18 @@ def test_a_departure_read_late_is_never_taken_for_the_connection_that_took_its_n
     assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
     for s in (client, *marker):
         s.close()
+
+
+def test_a_connection_announced_closed_before_accepted_is_let_go_once_zeromq_closes_it(listener: Listener) -> None:
+    # The engine's DISCONNECTED first, then the listener's ACCEPTED, both read while the descriptor is still open:
+    # the guard takes the connection after its only DISCONNECTED, and must still let it go once it is closed.
+    peer, server_end = listener.connect()
+    fd = server_end.fileno()
+    listener.event(zmq.EVENT_DISCONNECTED, fd)
+    listener.event(zmq.EVENT_ACCEPTED, fd)
+    assert _wait_for(lambda: _copies(fd)), "the guard did not take the connection"
+    ino = _ino(server_end)
+    server_end.close()  # ZeroMQ closes it
+    assert _sees_eof(peer), "the guard still holds a connection ZeroMQ closed"
+    assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
+    peer.close()
