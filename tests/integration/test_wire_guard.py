@@ -159,6 +159,23 @@ def _reuse_number(listener: Listener, fd: int) -> tuple[socket.socket, socket.so
     return peer, server_end
 
 
+def _live_then_departs(listener: Listener, client: socket.socket, client_end: socket.socket) -> None:
+    """Once the guard has handled the events sent so far: the client's connection was not announced departed and
+    the guard holds one copy of it; then ZeroMQ announces its end and closes it: announced departed, once, and let
+    go (the client sees it closed)."""
+    fd = client_end.fileno()
+    marker = _processed(listener)
+    assert list(listener.guard.departed) == [], "a live client was announced departed"
+    assert len(_copies(fd)) == 1, "the guard holds one copy of the live client's connection"
+    listener.event(zmq.EVENT_DISCONNECTED, fd)
+    ino = _ino(client_end)
+    client_end.close()
+    assert _sees_eof(client), "the guard still holds the client's connection ZeroMQ closed"
+    assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
+    for s in (client, *marker):
+        s.close()
+
+
 def test_a_peer_refused_at_once_never_makes_the_connection_that_took_its_number_a_departure(
         listener: Listener) -> None:
     # ZeroMQ refuses a peer at once (an oversize frame): the engine's I/O thread announces the disconnect and
@@ -173,17 +190,7 @@ def test_a_peer_refused_at_once_never_makes_the_connection_that_took_its_number_
     client, client_end = _reuse_number(listener, fd)
     listener.event(zmq.EVENT_ACCEPTED, fd)  # the refused peer's, read late
     listener.event(zmq.EVENT_ACCEPTED, fd)  # the client's own
-    marker = _processed(listener)
-    assert list(listener.guard.departed) == [], "a live client was announced departed"
-    assert len(_copies(fd)) == 1, "the guard holds one copy of the live client's connection"
-    # its real departure is still announced, once
-    listener.event(zmq.EVENT_DISCONNECTED, fd)
-    ino = _ino(client_end)
-    client_end.close()
-    assert _sees_eof(client), "the guard still holds the client's connection ZeroMQ closed"
-    assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
-    for s in (client, *marker):
-        s.close()
+    _live_then_departs(listener, client, client_end)
 
 
 def test_a_departure_read_late_is_never_taken_for_the_connection_that_took_its_number(listener: Listener) -> None:
@@ -199,16 +206,7 @@ def test_a_departure_read_late_is_never_taken_for_the_connection_that_took_its_n
     _wait_for(lambda: _copies(fd))
     listener.event(zmq.EVENT_DISCONNECTED, fd)  # the old connection's
     listener.event(zmq.EVENT_ACCEPTED, fd)  # the client's
-    marker = _processed(listener)
-    assert list(listener.guard.departed) == [], "a live client was announced departed"
-    assert len(_copies(fd)) == 1
-    listener.event(zmq.EVENT_DISCONNECTED, fd)
-    ino = _ino(client_end)
-    client_end.close()
-    assert _sees_eof(client)
-    assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
-    for s in (client, *marker):
-        s.close()
+    _live_then_departs(listener, client, client_end)
 
 
 def test_a_connection_announced_closed_before_accepted_is_let_go_once_zeromq_closes_it(listener: Listener) -> None:
