@@ -188,13 +188,14 @@ def _names(fd: int, ino: int) -> bool:
 
 class _Conn:
     __slots__ = ("sock", "fd", "ino", "opened", "base_received", "base_acked", "base_in", "base_out", "unread",
-                 "held", "left", "stalled", "suspect", "cut")
+                 "held", "left", "stalled", "suspect", "cut", "leaving")
 
     def __init__(self, sock: socket.socket, fd: int, ino: int, opened: float) -> None:
         self.sock, self.fd, self.ino, self.opened = sock, fd, ino, opened
         self.base_received = self.base_acked = self.base_in = self.base_out = 0
         self.unread = self.held = self.left = 0  # left: reply bytes that reached the kernel
         self.stalled = self.cut = False
+        self.leaving = False  # it may have ended: the look checks that its number still names it (_events)
         self.suspect: tuple[int, int] | None = None  # (drains, delivered) when it was seen over the limit
 
 
@@ -216,8 +217,9 @@ class ConnectionGuard:
     So the copy it took on a late ACCEPTED may be a newer connection's, and the events of the number that follow
     (the earlier connection's DISCONNECTED, the newer one's ACCEPTED) must not end it: a connection is taken for
     ended only once its number no longer names the socket held (ZeroMQ closes a descriptor right after announcing
-    its disconnect; every look checks), else the serving loop would drop a live client's reads as a departed
-    peer's. A connection whose events came in an order that left it held after it ended is let go the same way.
+    its disconnect; the next look checks), else the serving loop would drop a live client's reads as a departed
+    peer's. A connection taken on an ACCEPTED that came after a DISCONNECTED of its number (the order of a peer
+    refused at once) is checked the same way, so it is let go once closed.
 
     Every ``interval_s`` it
 
@@ -269,6 +271,7 @@ class ConnectionGuard:
         self.departures = 0  # connections that ended (those the guard held)
         self._conns: dict[int, _Conn] = {}
         self._inodes: set[int] = set()  # the sockets of _conns
+        self._unheld_gone: set[int] = set()  # numbers announced disconnected while the guard held none there
         self._trim_at: float | None = None
         self._trim_every = trim_every_s
         self._trim_next = time.monotonic() + trim_every_s
@@ -352,17 +355,25 @@ class ConnectionGuard:
                 # The number still names the socket the guard holds. An ACCEPTED: that connection's own, read
                 # after the guard took it on an earlier connection's late ACCEPTED. A DISCONNECTED: either it is
                 # ending (ZeroMQ announces that before it closes the descriptor) or an earlier connection of that
-                # number is, read late. Either way the look forgets it once ZeroMQ has closed it.
+                # number is, read late: the look forgets it once ZeroMQ has closed it.
+                held.leaving = event != zmq.EVENT_ACCEPTED
                 continue
             self._forget(fd)  # (the number names another socket now, or none: the connection held has ended)
             if event == zmq.EVENT_ACCEPTED:
-                self._accept(fd, parts[1] if len(parts) > 1 else b"")
+                conn = self._accept(fd, parts[1] if len(parts) > 1 else b"")
+                if fd in self._unheld_gone:
+                    self._unheld_gone.discard(fd)
+                    if conn is not None:  # perhaps the one announced closed before accepted (two I/O threads)
+                        conn.leaving = True
+            elif held is None:
+                self._unheld_gone.add(fd)
 
-    def _accept(self, fd: int, endpoint: bytes) -> None:
+    def _accept(self, fd: int, endpoint: bytes) -> _Conn | None:
+        """The connection at ``fd`` taken (None: not one to take)."""
         try:
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
-            return  # already closed again
+            return None  # already closed again
         try:
             ino = os.fstat(sock.fileno()).st_ino
             port = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
@@ -373,17 +384,18 @@ class ConnectionGuard:
         if (sock.type != socket.SOCK_STREAM or port is None or ino is None or ino in self._inodes
                 or not listener_port.isdigit() or port != int(listener_port)):
             sock.close()  # a late event: the number now names another socket, or one already held
-            return
+            return None
         conn = _Conn(sock, fd, ino, time.monotonic())
         # the bases: what was already counted on either side when the guard met the connection
         conn.base_in, conn.base_out = self.delivered.get(fd, 0), self.sent.get(fd, 0)
         info = self._info(conn)
         if info is None:
             sock.close()
-            return
+            return None
         conn.base_received, conn.base_acked = info
         self._conns[fd] = conn
         self._inodes.add(ino)
+        return conn
 
     def _forget(self, fd: int) -> None:
         conn = self._conns.pop(fd, None)
@@ -410,7 +422,7 @@ class ConnectionGuard:
         return received, acked
 
     def _look(self, now: float) -> None:
-        for conn in [c for c in self._conns.values() if not _names(c.fd, c.ino)]:
+        for conn in [c for c in self._conns.values() if c.leaving and not _names(c.fd, c.ino)]:
             self._forget(conn.fd)  # ZeroMQ has closed it (its number names another socket now, or none): ended
         sent_total = self.sent_total
         unread_total = held_total = 0
