@@ -19,8 +19,11 @@ import pytest
 import zmq
 
 from kvd.errors import Busy
+from kvd.store import Store
 from kvd.wire import protocol as p
+from kvd.wire.server import ShardServer
 from kvd.wire.server.loop import RouterServer
+from kvd.wire.server.shard import LOOKUP_SLICE
 
 from test_wire import LAYOUT, NS, ServerProcess, kv, raw_dealer, request  # isort: skip
 
@@ -318,3 +321,127 @@ def test_a_peer_that_reads_its_replies_never_finds_its_pipe_full() -> None:
 
     never_full_below = DEFAULT_HWM - (DEFAULT_HWM + 1) // 2 + 1
     assert never_full_below > max(DEFAULT_WINDOW, DEFAULT_MAX_PEER_REQUESTS)
+
+
+class _HeldLookups(ShardServer):
+    """A shard in this process whose first store lookup of a ``lengths`` of more than one slice holds the loop
+    until :attr:`go` is set (:attr:`held` says it is held); :attr:`lookups` counts the ids of each lookup."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(Store(64 << 20), shard_id="sliced", recycle_memory=False, **options)
+        self.go = threading.Event()
+        self.held = threading.Event()
+        self.lookups: list[int] = []
+
+    def _lookup(self, namespace: str, seq_ids: Any) -> list[int | None]:
+        self.lookups.append(len(seq_ids))
+        if len(self.lookups) == 1 and len(seq_ids) > 1:
+            self.held.set()
+            assert self.go.wait(60)
+        return super()._lookup(namespace, seq_ids)
+
+
+def _polite(server: _HeldLookups, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
+    polite = raw_dealer(ctx, server.endpoint)
+    assert isinstance(request(polite, p.RegisterRequest(request_id=1, namespace=NS, **LAYOUT)), p.RegisterReply)
+    return polite
+
+
+def _hold_long_lookup(server: _HeldLookups, ctx: zmq.Context[Any]) -> zmq.Socket[Any]:
+    """A connection that sent a ``lengths`` of IDS ids (request 3; the last id the polite client's sequence),
+    once the loop is held in the lookup's first slice."""
+    server.lookups.clear()
+    long = raw_dealer(ctx, server.endpoint)
+    long.send_multipart(p.encode_request(p.LengthsRequest(
+        request_id=3, namespace=NS, seq_ids=(*(f"x{j}" for j in range(IDS - 1)), "polite"))))
+    assert server.held.wait(30)  # readiness: the loop runs the lookup's first slice
+    return long
+
+
+@pytest.mark.timeout(120)
+def test_a_long_lookup_runs_in_slices_with_other_connections_requests_between_them() -> None:
+    """A ``lengths`` of 4,096 ids holds the loop for a slice at a time, not the whole lookup: an append that
+    arrives while its first slice runs is served before the lookup ends (which its last slice sees), and the
+    reply is the whole lookup's, in order."""
+    assert IDS > 2 * LOOKUP_SLICE
+    server = _HeldLookups()
+    server.start()
+    ctx = zmq.Context()
+    try:
+        polite = _polite(server, ctx)
+        held = {5: 3, LOOKUP_SLICE + 1: 7, IDS - 2: 11}  # ids in the first, second and last slices: tokens
+        for j, tokens in held.items():
+            k, v = kv(tokens=tokens, seed=j)
+            assert isinstance(request(polite, p.AppendRequest(request_id=2, namespace=NS, seq_id=f"x{j}", keys=k,
+                                                              values=v)), p.AppendReply)
+        long = _hold_long_lookup(server, ctx)
+        k, v = kv(tokens=1, seed=1)
+        polite.send_multipart(p.encode_request(p.AppendRequest(request_id=4, namespace=NS, seq_id="polite",
+                                                               keys=k, values=v)))
+        time.sleep(0.5)  # ZeroMQ's I/O thread moves it into the pipe within milliseconds; the loop is held
+        server.go.set()
+        assert polite.poll(10_000) and isinstance(p.decode_reply(polite.recv_multipart()), p.AppendReply)
+        assert long.poll(10_000)
+        reply = p.decode_reply(long.recv_multipart())
+        assert isinstance(reply, p.LengthsReply) and reply.request_id == 3
+        expected = [held.get(j) for j in range(IDS - 1)] + [1]  # the append ran before the last slice
+        assert list(reply.lengths) == expected
+        assert server.lookups == [LOOKUP_SLICE] * (IDS // LOOKUP_SLICE)
+    finally:
+        server.go.set()
+        ctx.destroy(linger=0)
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_long_lookup_of_a_connection_that_left_stops_and_the_loop_forgets_it() -> None:
+    """The connection that sent a long lookup leaves during its first slice: the rest does not run, the loop
+    keeps nothing of it (it would read one message a turn while it held a lookup in slices), and serves on."""
+    server = _HeldLookups()
+    server.start()
+    ctx, gone_ctx = zmq.Context(), zmq.Context()
+    try:
+        polite = _polite(server, ctx)
+        _hold_long_lookup(server, gone_ctx)
+        gone_ctx.destroy(linger=0)
+        deadline = time.monotonic() + 30
+        while not server.metrics()["peers_left"]:  # readiness: the guard heard of the departure
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        server.go.set()
+        assert isinstance(request(polite, p.PingRequest(request_id=5)), p.PingReply)
+        assert server.metrics()["requests_abandoned"] == 1
+        assert server.lookups == [LOOKUP_SLICE]
+        assert not server._slicing
+    finally:
+        server.go.set()
+        ctx.destroy(linger=0)
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_long_lookup_refused_to_make_room_leaves_nothing_behind() -> None:
+    """A full queue refuses the newest request of its heaviest connection: when that is a lookup between two of
+    its slices, it is answered Busy, and the connection's next request is its own, not the lookup's rest."""
+    server = _HeldLookups(max_queued_bytes=32 << 10)  # the long lookup (~23 KiB) and a 16 KiB append do not fit
+    server.start()
+    ctx = zmq.Context()
+    try:
+        polite = _polite(server, ctx)
+        long = _hold_long_lookup(server, ctx)
+        k, v = kv(tokens=64, seed=1)
+        polite.send_multipart(p.encode_request(p.AppendRequest(request_id=4, namespace=NS, seq_id="polite",
+                                                               keys=k, values=v)))
+        time.sleep(0.5)  # in the pipe; the loop is held
+        server.go.set()
+        assert polite.poll(10_000) and isinstance(p.decode_reply(polite.recv_multipart()), p.AppendReply)
+        assert long.poll(10_000)
+        refused = p.decode_reply(long.recv_multipart())
+        assert isinstance(refused, p.ErrorReply) and refused.code == Busy.code and refused.request_id == 3
+        reply = request(long, p.LengthsRequest(request_id=5, namespace=NS, seq_ids=("polite", "x1")))
+        assert isinstance(reply, p.LengthsReply) and reply.request_id == 5 and reply.lengths == (64, None)
+        assert not server._slicing
+    finally:
+        server.go.set()
+        ctx.destroy(linger=0)
+        server.stop()

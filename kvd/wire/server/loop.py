@@ -28,7 +28,10 @@ sends one request at a time waits for the request running when it arrives and at
 1,500 ``lengths`` of 4,096 ids took another's p99 from 17 ms to 439 ms behind one shared FIFO; BENCHMARKS.md,
 "Wire", "Fairness"); under overload a request gets ``Busy`` once it is read, never silence; requests of one
 connection start in the order received; and the memory held by received requests is bounded by
-``max_queued_bytes``.
+``max_queued_bytes``. A long request that only reads may run *in slices* (a server's :meth:`_slices`: a shard's
+``lengths`` of more than ``LOOKUP_SLICE`` ids), one slice a turn with its connection going to the back of the
+rotation after each, so others wait for a slice of it, not the whole (each slice sees the store as it is then);
+while one runs, the loop reads one message a turn (``DRAIN_WHILE_SLICING``), not a few.
 
 *A peer that left* is learned as it leaves: the connection guard passes on ZeroMQ's disconnect events, each
 naming the connection's socket inode, and the loop knows the inode of every connection it took a message from
@@ -75,6 +78,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -120,9 +124,14 @@ IDLE_TICK_S = 0.05  # the longest a blocked receive waits before compaction and 
 # Most messages admitted (or refused) per turn before the next request runs. ZeroMQ's ROUTER reads its connections
 # in turn, so a few reads reach every connection with a message waiting; each read past a connection's share is a
 # Busy that a client retrying at once answers with another message, so more reads per turn would only spend the
-# loop on refusals (under a flood of 4,096-id lengths, a polite client's p99 was 61.9 ms at 256 a turn against
-# 7.7 ms at 4: bench/wire.py --fairness --loop-variants 256,4-rotation,4; BENCHMARKS.md, "Fairness").
+# loop on refusals (under a flood of 4,096-id lengths, a polite client's p99 was 59.6 ms at 256 a turn against
+# 6.7 ms at 4, lookups run whole: bench/wire.py --fairness --loop-variants; BENCHMARKS.md, "Fairness").
 DRAIN_BATCH = 4
+# Most messages read a turn while a request runs in slices (a long lookup: ShardServer's LOOKUP_SLICE): its
+# turns are short, and four reads a turn made the loop read (and refuse) a flooder's retries about twice as
+# often (under a 4,096-id lengths flood, a polite client's p99 6.46 ms and p50 1.40 ms at four reads, 5.35 and
+# 1.36 ms at one, 6.71 and 2.22 ms with the lookup run whole: same command).
+DRAIN_WHILE_SLICING = 1
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
 RATE_WINDOW_S = 10
@@ -266,6 +275,9 @@ class RouterServer:
         self._lane: BulkLane | None = None  # a shard's bulk lane (started by _main when _wants_lane)
         self._bulk_owed: dict[bytes, int] = {}  # connection -> its requests on the bulk lane (loop thread only)
         self._bulk_pending = 0
+        # connection -> (request, its remaining slices): a long read run a slice a turn (see _slices); the
+        # request is the front of that connection's queue until its last slice (loop thread only)
+        self._slicing: dict[bytes, tuple[Any, Iterator[None]]] = {}
         self._loop_thread = -1  # the serving thread's id (threading.get_ident()), once it runs
 
     # -------------------------------------------------------------------------------------------- lifecycle
@@ -478,7 +490,8 @@ class RouterServer:
             elif not self._receive(sock):  # nothing for IDLE_TICK_S: idle work (a shard's lane does its own)
                 return False if lane is not None else self._idle()
         n = 0
-        while n < DRAIN_BATCH:
+        batch = DRAIN_WHILE_SLICING if self._slicing else DRAIN_BATCH
+        while n < batch:
             if not int(_get(sock, _EVENTS)) & _POLLIN:
                 if guard is not None:
                     guard.drains += 1
@@ -639,6 +652,7 @@ class RouterServer:
         self._queued -= 1
         self._queued_bytes -= size
         if not queue.requests:
+            self._slicing.pop(ident, None)  # (it was the front: a read in slices, refused like any other)
             del self._peers[ident]
             self._unturn(ident)
 
@@ -652,6 +666,7 @@ class RouterServer:
         queue = self._peers.get(ident)
         if queue is None:
             return
+        self._slicing.pop(ident, None)  # (a request in slices only reads)
         writes = collections.deque(r for r in queue.requests if p.changes_state(r[0][0].buffer))
         n = len(queue.requests) - len(writes)
         size = queue.nbytes - sum(r[1] for r in writes)
@@ -671,7 +686,10 @@ class RouterServer:
 
     def _run(self, frames: list[zmq.Frame], ident: bytes, size: int, fd: int) -> list[p.Frame] | None:
         """Parse, execute and encode: the reply frames; or None when the request went to the bulk lane (its
-        reply comes back through :meth:`_deliver`). Never raises."""
+        reply comes back through :meth:`_deliver`) or has slices left (it is queued again). Never raises."""
+        going = self._slicing.pop(ident, None)
+        if going is not None:  # the front of this connection's queue is its request in slices: the next one
+            return self._slice(going[0], going[1], frames, ident, size, fd)
         views = [f.buffer for f in frames]
         req = p.parse_request(views, self._limits)
         if isinstance(req, p.ErrorReply):
@@ -681,6 +699,9 @@ class RouterServer:
         if lane is not None and (ident in self._bulk_owed or self._is_bulk(req, size)):
             self._to_lane(lane, ident, req, frames, size, fd)
             return None
+        slices = self._slices(req)
+        if slices is not None:
+            return self._slice(req, slices, frames, ident, size, fd)
         try:
             reply, error = self._reply(req)
         except ToBulkLane:  # found large only as it ran, before anything was done (_reply: only with a lane)
@@ -690,6 +711,32 @@ class RouterServer:
         if error:
             self._metrics.errors += 1
         return reply
+
+    def _slice(self, req: Any, slices: Iterator[None], frames: list[zmq.Frame], ident: bytes, size: int,
+               fd: int) -> list[p.Frame] | None:
+        """Run the next slice of ``req``: its reply frames after the last one; else None, and the request goes
+        back to the front of its connection's queue, the connection to the back of the rotation."""
+        reply, error = self._reply_slice(req, slices)
+        if error:
+            self._metrics.errors += 1
+        if reply is not None:
+            return reply
+        queue = self._peers.get(ident)
+        if queue is None:
+            queue = self._peers[ident] = _PeerQueue()
+            self._turns.append(ident)
+        queue.requests.appendleft((frames, size, fd))
+        queue.nbytes += size
+        self._queued += 1
+        self._slicing[ident] = (req, slices)
+        return None
+
+    def _slices(self, req: Any) -> Iterator[None] | None:
+        """The slices of a long request that only reads, run one a turn with other connections' requests in
+        between (a generator: it yields between slices and returns the reply); None to run it whole (the
+        default). Each slice sees the store as it is when it runs. Only on the loop thread, so a request runs
+        whole on the bulk lane."""
+        return None
 
     def _to_lane(self, lane: BulkLane, ident: bytes, req: Any, frames: list[zmq.Frame], size: int,
                  fd: int) -> None:
@@ -704,13 +751,26 @@ class RouterServer:
         else it is a bug, and the request's reply says so)."""
         try:
             return p.encode_reply(self._execute(req), self._limits), False
-        except KvdError as exc:
-            return p.encode_reply(p.error_reply(req.request_id, exc)), True
         except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
             if isinstance(exc, ToBulkLane) and self._lane is not None and self._on_loop():
                 raise
+            return self._failed(req, exc)
+
+    def _reply_slice(self, req: Any, slices: Iterator[None]) -> tuple[list[p.Frame] | None, bool]:
+        """Run the next of a request's ``slices``: like :meth:`_reply`, with frames None while slices remain."""
+        try:
+            next(slices)
+        except StopIteration as done:
+            return p.encode_reply(done.value, self._limits), False
+        except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the server
+            return self._failed(req, exc)
+        return None, False
+
+    def _failed(self, req: Any, exc: Exception) -> tuple[list[p.Frame], bool]:
+        """The error reply to ``req``, which raised ``exc`` (in an ``except`` block: a bug is logged with it)."""
+        if not isinstance(exc, KvdError):
             log.exception("%s: internal error on %s", self._NAME, type(req).__name__)  # (on the lane too)
-            return p.encode_reply(p.error_reply(req.request_id, exc)), True
+        return p.encode_reply(p.error_reply(req.request_id, exc)), True
 
     _wants_lane = False  # a bulk lane for this server (ShardServer)
 
