@@ -47,22 +47,26 @@ def _server(conn: Any, variant: str | None = None) -> None:
     from kvd.store import Store
     from kvd.wire.server import ShardServer
 
-    if variant is not None:  # "N": N messages a turn (the loop reads the constant every turn); "N-rotation": and
-        import kvd.wire.server.loop as loop  # a peer that had nothing queued joins the back of the rotation
+    if variant is not None:  # "N[-rule...]": N messages read a turn (the loop reads the constant every turn), and
+        import kvd.wire.server.loop as loop  # "rotation": a peer that had nothing queued joins the back of the
+        import kvd.wire.server.shard as shard  # rotation; "sliceK": lookups in slices of K ids (4096: whole);
 
-        batch, _, rule = variant.partition("-")
+        batch, *rules = variant.split("-")  # "whileK": K messages read a turn while a lookup runs in slices
         loop.DRAIN_BATCH = int(batch)
-        if rule == "rotation":
-            ahead = loop.RouterServer._next
+        for rule in rules:
+            if rule.startswith("slice") and rule[5:].isdigit():
+                shard.LOOKUP_SLICE = int(rule[5:])
+            elif rule.startswith("while") and rule[5:].isdigit():
+                loop.DRAIN_WHILE_SLICING = int(rule[5:])
+            elif rule == "rotation":
+                def behind(self: Any, ahead: Any = loop.RouterServer._next) -> Any:
+                    while self._fresh:
+                        self._turns.append(self._fresh.popleft())
+                    return ahead(self)
 
-            def behind(self: Any) -> Any:
-                while self._fresh:
-                    self._turns.append(self._fresh.popleft())
-                return ahead(self)
-
-            loop.RouterServer._next = behind
-        elif rule:
-            raise SystemExit(f"unknown loop variant {variant!r}")
+                loop.RouterServer._next = behind
+            else:
+                raise SystemExit(f"unknown loop variant {variant!r}")
 
     server = ShardServer(Store(256 << 20, eviction="lru", max_level="fp16"), shard_id="fair")
     conn.send(server.start())
@@ -214,9 +218,10 @@ def _report(rows: list[tuple[str, str, list[float], tuple[int, int]]], metrics: 
 
 def loop_variants(batches: list[str], seconds: float, rounds: int) -> int:
     """Variants of the loop's scheduling against the ``lengths`` flood: ``N`` messages read a turn
-    (``DRAIN_BATCH``), ``N-rotation`` also with a peer that had nothing queued at the back of the rotation instead
-    of ahead of it. For each variant in turn, a fresh server, a quiet and a loaded round of the polite client;
-    ``rounds`` times over, alternating."""
+    (``DRAIN_BATCH``), with rules added (see :func:`_server`): ``-rotation``, a peer that had nothing queued at
+    the back of the rotation instead of ahead of it; ``-sliceK``, lookups in slices of K ids (4096: whole);
+    ``-whileK``, K messages read a turn while a lookup runs in slices. For each variant in turn, a fresh server,
+    a quiet and a loaded round of the polite client; ``rounds`` times over, alternating."""
     ctx = mp.get_context("spawn")
     rows: list[tuple[str, list[float], list[float], tuple[int, int]]] = []
     for _ in range(rounds):
@@ -247,16 +252,16 @@ def loop_variants(batches: list[str], seconds: float, rounds: int) -> int:
                 server.join(10)
             rows.append((batch, quiet, loaded, counts))
     print(f"\npolite client against a lengths flood, by the loop's scheduling, {seconds:.0f} s rounds")
-    print(f"{'variant':>12}{'quiet p50':>11}{'quiet p99':>11}{'loaded n':>10}{'loaded p50':>12}{'loaded p99':>12}"
+    print(f"{'variant':>22}{'quiet p50':>11}{'quiet p99':>11}{'loaded n':>10}{'loaded p50':>12}{'loaded p99':>12}"
           f"{'flood answered':>16}{'flood busy':>12}")
     for batch, quiet, loaded, (answered, busy) in rows:
-        print(f"{batch:>12}{_ms(quiet, 0.5):>11.2f}{_ms(quiet, 0.99):>11.2f}{len(loaded):>10}"
+        print(f"{batch:>22}{_ms(quiet, 0.5):>11.2f}{_ms(quiet, 0.99):>11.2f}{len(loaded):>10}"
               f"{_ms(loaded, 0.5):>12.2f}{_ms(loaded, 0.99):>12.2f}{answered:>16}{busy:>12}")
-    print(f"\n{'variant':>12}{'median loaded p50 ms':>22}{'median loaded p99 ms':>22}"
+    print(f"\n{'variant':>22}{'median loaded p50 ms':>22}{'median loaded p99 ms':>22}"
           f"{'median polite requests':>24}")
     for batch in batches:
         mine = [r for r in rows if r[0] == batch]
-        print(f"{batch:>12}{statistics.median(_ms(r[2], 0.5) for r in mine):>22.2f}"
+        print(f"{batch:>22}{statistics.median(_ms(r[2], 0.5) for r in mine):>22.2f}"
               f"{statistics.median(_ms(r[2], 0.99) for r in mine):>22.2f}"
               f"{statistics.median(len(r[2]) for r in mine):>24.0f}")
     return 0

@@ -10,7 +10,7 @@ and Mooncake Store (issues 4 and 19).
     python bench/wire.py --packed   # pages of a 32-layer 7B-class sequence: packed (1.1) vs a frame per page (1.0)
     python bench/wire.py --socket-buffer 0   # also kvd with the system's autotuned socket buffers, same run
     python bench/wire.py --fairness # a polite client's latency, alone and while another floods the shard
-    python bench/wire.py --fairness --loop-variants 256,4,4-rotation  # a lengths flood, by the loop's scheduling
+    python bench/wire.py --fairness --loop-variants 4,4-while4,4-slice4096  # a lengths flood, by the loop's rules
 
 For payloads of 4 KiB, 64 KiB, 1 MiB and 8 MiB, one request at a time and 8 in flight, median GB/s of payload:
 
@@ -644,8 +644,9 @@ def main() -> int:
                     help="only a polite client's latency, alone and while another client floods the shard")
     ap.add_argument("--loop-variants", metavar="V,V",
                     help="with --fairness: only the lengths flood, against servers reading N messages a turn "
-                         "(N) and with newcomers at the back of the rotation (N-rotation), alternating "
-                         "(e.g. 256,4,4-rotation)")
+                         "(N), and with rules added: newcomers at the back of the rotation (-rotation), lookups "
+                         "in slices of K ids (-sliceK; 4096: whole), K reads a turn while a lookup runs in slices "
+                         "(-whileK); alternating (e.g. 4,4-while4,4-slice4096,256-slice4096)")
     ap.add_argument("--copy", action="store_true",
                     help="only what sending one frame costs copied vs zero-copy (raw pyzmq, 64 KiB to 8 MiB)")
     ap.add_argument("--socket-buffer", type=int, metavar="BYTES",
