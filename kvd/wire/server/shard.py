@@ -4,6 +4,9 @@ requests are the store's operations, large ones on its bulk lane (:mod:`kvd.wire
 *Compaction* (:meth:`Store.compact`) runs between requests, with ``compact_budget_bytes`` per call: on the bulk
 lane when it has no request (again at once while a backlog remains, else every ``loop.IDLE_TICK_S``), and after
 every ``compact_every`` bulk requests, in steps of ``COMPACT_STEP_BYTES`` that let go of the store's lock.
+
+*Long lookups* (a ``lengths`` of more than ``LOOKUP_SLICE`` ids) run on the loop in slices, other connections'
+requests between them (:mod:`kvd.wire.server.loop`, admission).
 """
 
 from __future__ import annotations
