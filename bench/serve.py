@@ -13,6 +13,8 @@ after. Systems (``--systems``):
   (kvd.store.chains).
 * **kvd-lru**: the same with ``kvd_parents: false``: kvd's eviction by recency alone, the baseline of the
   prefix-aware order at the same budget.
+* **kvd-unlimited**: kvd with ``UNLIMITED_BUDGET`` (every block of these workloads fits at fp16: nothing is
+  compressed or evicted), what kvd serves when memory is no object (not run by default).
 * **mooncake**: Mooncake Store (``mooncake_master`` + a ``mooncake_client`` storage node holding BUDGET,
   standalone-store mode over TCP on 127.0.0.1) and `vllm serve` with vLLM's own ``MooncakeStoreConnector``. PyPI
   ``mooncake-transfer-engine-non-cuda`` must import inside vLLM's process, so the bench builds ``.venv-serve``
@@ -537,6 +539,7 @@ def replay(args: argparse.Namespace) -> None:
 
 
 SYSTEMS = ("kvd", "kvd-lru", "mooncake", "vllm")
+UNLIMITED_BUDGET = 2 << 30  # kvd-unlimited's: over 6x the default workloads' KV at fp16
 
 
 def one_system(system: str, args: argparse.Namespace, rnd: int, serve_py: Path | None,
@@ -546,8 +549,8 @@ def one_system(system: str, args: argparse.Namespace, rnd: int, serve_py: Path |
     env: dict[str, str] = {}
     py = ENGINES_PY
     if system.startswith("kvd"):
-        store = Kvd(args.budget, workdir)
-        extra = {"kvd_endpoint": store.endpoint, "kvd_parents": system == "kvd"}
+        store = Kvd(UNLIMITED_BUDGET if system == "kvd-unlimited" else args.budget, workdir)
+        extra = {"kvd_endpoint": store.endpoint, "kvd_parents": system != "kvd-lru"}
         kv = {"kv_connector": "KvdConnector", "kv_connector_module_path": "kvd.integrations.vllm",
               "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
     elif system.startswith("mooncake"):
@@ -633,7 +636,8 @@ def size(text: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks the machinery")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS + ('mooncake-2x',)}")
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
+                    help=f"comma list of {SYSTEMS + ('mooncake-2x', 'kvd-unlimited')}")
     ap.add_argument("--workloads", default="prefix,chat")
     ap.add_argument("--modes", default="saturated,paced")
     ap.add_argument("--rounds", type=int, default=2)
