@@ -30,18 +30,21 @@ log = logging.getLogger("kvd.client")
 PACK_BELOW_BYTES = 128 << 10
 _NOT_ADDITIVE = frozenset({"epoch", "page_tokens", "sink_tokens", "window_tokens", "server_uptime_s",
                            "server_queue_peak", "topology_epoch"})
+# A shard's own, with no cluster total: its identity, and its eviction order's state (one bound per store)
+_PER_SHARD = frozenset({"shard_id", "endpoint", "eviction_stale_after", "eviction_reuses_known"})
 
 
 
 def aggregate_stats(per_shard: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Cluster totals from per-shard stats: numbers summed (``epoch`` and settings: the maximum), maps of numbers
     summed per key, ``pressure`` recomputed as used/capacity, a string or flag kept when all shards agree (else
-    ``"mixed"``), in maps too, per key; ``shards`` counts the shards, ``errors`` those that did not answer."""
+    ``"mixed"``), in maps too, per key; ``shards`` counts the shards, ``errors`` those that did not answer. A
+    shard's own keys (``_PER_SHARD``: its id, endpoint, eviction order's state) are left to :meth:`shard_stats`."""
     good = [s for s in per_shard if "error" not in s]
     out: dict[str, Any] = {"shards": len(per_shard), "errors": len(per_shard) - len(good)}
     for stats in good:
         for key, value in stats.items():
-            if key in ("shard_id", "endpoint"):
+            if key in _PER_SHARD:
                 continue
             have = out.get(key)
             if isinstance(value, bool) or value is None:

@@ -26,12 +26,12 @@ position 0) are ordered by recency alone, as LRU; ``by_prefix=False`` orders eve
 **Stale tails first.** Depth alone would keep the chains of prompts nobody sends any more: a stale chain loses
 its deepest block first like a live one, so its head stays while live chains lose their deeper blocks. So the
 order learns how long sequences wait between uses: every use of a sequence that was used before (a lookup's
-load, an append that stores it again after it was evicted, a promotion from disk) is one *reuse distance*, in
-uses of the store (ticks). Once ``REUSE_MIN`` distances are known, a tail unused for longer than
-``STALE_FACTOR`` x the ``STALE_QUANTILE`` quantile of the last ``REUSE_WINDOW`` distances is *stale*, and the
-least recently used stale tail goes before every other tail (not before an unreachable sequence). A workload
-whose prompts recur keeps its chains within that bound and is ordered by depth as before; when the prompts
-change, the old chains outlive the bound and go first. The distances of sequences that left memory are kept
+load, an append that stores it again after it was evicted, a promotion from disk; not the append that first
+stores it) is one *reuse distance*, in uses of the store (ticks). Once ``REUSE_MIN`` distances are known, a
+tail unused for longer than ``STALE_FACTOR`` x the ``STALE_QUANTILE`` quantile of the last ``REUSE_WINDOW``
+distances is *stale*, and the least recently used stale tail goes before every other tail (not before an
+unreachable sequence). A workload whose prompts recur keeps its chains within that bound and is ordered by
+depth as before; when the prompts change, the old chains outlive the bound and go first. The distances of sequences that left memory are kept
 for the last ``GHOSTS`` of them (or twice the sequences in memory), so a sequence evicted and stored again
 counts (the long distances a cache too small for its workload sees).
 
@@ -69,9 +69,9 @@ _REBUILD_SLACK = 64  # outdated heap entries tolerated beyond the live ones befo
 # Stale tails (module docstring). The values were chosen on bench/serve.py --replay's two workloads at 32-96 MiB,
 # three seeds, three changes of prompts each (docs/design.md, "Prefix-aware eviction", has the sweep).
 REUSE_WINDOW = 1024  # the last reuse distances the bound is taken from
-REUSE_MIN = 128  # distances known before any tail counts as stale
+REUSE_MIN = 64  # distances known before any tail counts as stale
 REUSE_RECOMPUTE = 16  # new distances between two recomputations of the bound
-STALE_QUANTILE = 0.9
+STALE_QUANTILE = 0.7
 STALE_FACTOR = 1.5
 GHOSTS = 4096  # sequences that left memory whose last use is kept (at least; twice those in memory if more)
 
@@ -139,6 +139,12 @@ class Chains:
         """The ticks (uses of the store) beyond which an unused tail is stale; None until enough reuse is known
         (or with ``by_prefix=False``)."""
         return self._stale_after
+
+    @property
+    def reuses_known(self) -> int:
+        """How many reuse distances the bound is taken from (at most ``REUSE_WINDOW``; none is set before
+        ``reuse_min``)."""
+        return len(self._reuse)
 
     def _reused(self, distance: int) -> None:
         """A sequence used again ``distance`` ticks after its last use: the bound on staleness follows."""

@@ -372,8 +372,10 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
             pos = None if position is None else int_arg("position", position, 0, None)
             up = None if parent is None else (ns.name, seq_id_arg(parent, "parent"))
             k16, v16 = store_seq.check_kv(ns, keys, values)
+            entered = False  # whether this append brought the sequence into memory (created, or from disk)
             if self._disk is not None and key not in self._seqs:
                 self._promote(ns, key, disk_io)
+                entered = key in self._seqs
             while True:
                 while key in self._pinned:  # another thread's append to this sequence is in flight
                     self._unpinned.wait()
@@ -390,11 +392,15 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
                     seq = self._append(ns, key, seq, k16, v16, pos or 0)
                     if created:
                         self._chains.add(key, up, depth=seq.position)
+                        entered = True
                     break
                 except InFlight:  # it must make room: that waits for the appends in flight, then plans again
                     while self._pinned:
                         self._unpinned.wait()
-            self._touch(key)
+            if entered:  # entering made it the most recently used; a touch would count a reuse that is none
+                self._seqs.move_to_end(key)
+            else:
+                self._touch(key)
             self._appends += 1
             return seq.length
 
@@ -634,7 +640,9 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
         ``ahead_count`` (times it ran ahead), ``level_reason`` (why the level in force is what it is),
         ``max_level``, ``squeezes`` / ``squeezed_bytes`` (appends that compressed to make room, bytes freed);
         ``tokens``, ``sequences``, ``namespaces``; counters (``gets`` counts get and get_pages calls, ``refusals``
-        out-of-memory refusals, ``evictions`` evicted sequences)."""
+        out-of-memory refusals, ``evictions`` evicted sequences); the eviction order's ``eviction_stale_after``
+        (uses of the store after which an unused chain tail goes first; None until ``eviction_reuses_known``
+        reuse distances are enough: kvd.store.chains)."""
         with self._lock:
             led = self._ledger
             used = led.used
@@ -658,6 +666,8 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
                 "namespaces": len(self._ns),
                 "evictions": self._evictions,
                 "evicted_tokens": self._evicted_tokens,
+                "eviction_stale_after": self._chains.stale_after,
+                "eviction_reuses_known": self._chains.reuses_known,
                 "refusals": self._refusals,
                 "compaction_backlog_bytes": self._backlog_bytes(),
                 "recompressed_pages": self._recompressed_pages,

@@ -164,6 +164,14 @@ def test_aggregate_stats_of_no_shards() -> None:
     assert aggregate_stats([]) == {"shards": 0, "errors": 0}
 
 
+def test_aggregate_stats_leave_a_shards_own_eviction_bound_out() -> None:
+    """Each store learns its own staleness bound: a sum (or a None against a number) is no cluster figure."""
+    out = aggregate_stats([{"evictions": 2, "eviction_stale_after": None, "eviction_reuses_known": 10},
+                           {"evictions": 3, "eviction_stale_after": 168, "eviction_reuses_known": 200}])
+    assert out["evictions"] == 5
+    assert "eviction_stale_after" not in out and "eviction_reuses_known" not in out
+
+
 def test_appends_name_the_shard_incarnation_the_hello_found_and_nothing_else_does() -> None:
     conn = _Conn("tcp://127.0.0.1:1", None, None)
     hello = p.HelloReply.for_limits(p.Limits(), request_id=1, kvd_version="x", page_format_version=1,

@@ -277,6 +277,18 @@ def put_chain(s: Store, name: str, n: int) -> list[str]:
     return ids
 
 
+def test_storing_a_sequence_is_not_a_reuse_and_each_later_use_is_one() -> None:
+    """The reuse distances the staleness bound is learned from are those of sequences used again: the append
+    that creates a sequence counts none (a connector stores every block of every prompt once; counted, half the
+    distances were 1 and the bound fell below the real reuse), a later append or read of it counts one."""
+    s, _ = chained_store(8)
+    ids = put_chain(s, "a", 3)
+    assert s.stats()["eviction_reuses_known"] == 0
+    s.get(NS, ids[0])
+    s.append(NS, ids[2], *block(3))
+    assert s.stats()["eviction_reuses_known"] == 2
+
+
 def test_a_full_store_gives_up_a_chains_unreachable_blocks_first() -> None:
     s, _ = chained_store(8)
     a = put_chain(s, "a", 4)
