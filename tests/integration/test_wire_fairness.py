@@ -195,19 +195,21 @@ def test_the_requests_of_a_connection_that_left_are_not_run() -> None:
 
 class _HeldServer(RouterServer):
     """A server whose requests only say hello, in this process; request id 0 holds its loop until :attr:`go` is
-    set, so the test decides what happens while the loop is busy. :attr:`ran` lists the ids it executed."""
+    set (and id 2 until :attr:`go_first` is), so the test decides what happens while the loop is busy.
+    :attr:`ran` lists the ids it executed."""
 
     def __init__(self) -> None:
         super().__init__(host="127.0.0.1", port=0, limits=None, curve=None, max_queued_requests=1024,
                          max_queued_bytes=1 << 28, hwm=64, heartbeat_ivl_s=1.0, heartbeat_timeout_s=30.0,
                          linger_s=0.1)
         self.go = threading.Event()
+        self.go_first = threading.Event()
         self.ran: list[int] = []
 
     def _execute(self, req: Any) -> Any:
         self.ran.append(req.request_id)
-        if req.request_id == 0:
-            assert self.go.wait(60)
+        if req.request_id in (0, 2):
+            assert (self.go if req.request_id == 0 else self.go_first).wait(60)
         return self._hello(req, role="coordinator", name="held", page_tokens=None)
 
 
@@ -292,10 +294,17 @@ def test_a_connection_with_nothing_queued_goes_ahead_of_one_that_keeps_a_queue()
         flooder = raw_dealer(ctx, server.endpoint, SNDHWM=0)
         polite = raw_dealer(ctx, server.endpoint)
         assert isinstance(request(polite, p.HelloRequest(request_id=1)), p.HelloReply)
-        ids = [100 + i for i in range(60)]
-        ids[8] = 0  # the loop holds in the flooder's ninth request, with the rest of its requests queued
+        # The flooder's first request (2) holds the loop while the rest reach ZeroMQ's pipe, so from then on
+        # every turn reads more of them than it runs and the flooder keeps a queue: its request 0, the ninth
+        # after the first, is taken in turn, not as a newcomer's (a newcomer is never taken twice in a row).
+        ids = [2] + [100 + i for i in range(60)]
+        ids[9] = 0  # the loop holds in it, with the flooder's later requests queued
         for rid in ids:
             flooder.send_multipart(p.encode_request(p.HelloRequest(request_id=rid)))
+        while 2 not in server.ran:
+            time.sleep(0.01)
+        time.sleep(0.5)  # ZeroMQ's I/O thread moves the flooder's requests into the pipe within milliseconds
+        server.go_first.set()
         while 0 not in server.ran:  # readiness: the loop is held, the flooder's later requests waiting
             time.sleep(0.01)
         polite.send_multipart(p.encode_request(p.HelloRequest(request_id=5)))
@@ -306,6 +315,7 @@ def test_a_connection_with_nothing_queued_goes_ahead_of_one_that_keeps_a_queue()
         assert server.ran[held + 1] == 5, server.ran[held:held + 4]
     finally:
         server.go.set()
+        server.go_first.set()
         ctx.destroy(linger=0)
         server.stop()
 
