@@ -58,6 +58,7 @@ COMPILED = (
     "wire.server.departures",
     "wire.server.lane",
     "wire.server.loop",
+    "wire.server.metrics",
     "wire.server.shard",
     "wire.server.topology",
     "wire.sockets",

@@ -1,5 +1,5 @@
 """The ROUTER loop every kvd server runs (:class:`RouterServer`): binding, socket options, CURVE, admission,
-replies, metrics. :class:`~kvd.wire.server.shard.ShardServer` and
+replies, metrics (counted by :mod:`kvd.wire.server.metrics`). :class:`~kvd.wire.server.shard.ShardServer` and
 :class:`~kvd.wire.server.topology.TopologyServer` say what a request does. Wire format: docs/protocol.md;
 codec: :mod:`kvd.protocol`.
 
@@ -93,6 +93,7 @@ from kvd.wire import protocol as p
 from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig
 from kvd.wire.server.departures import Departures
 from kvd.wire.server.lane import BulkLane
+from kvd.wire.server.metrics import Metrics
 from kvd.wire.sockets import (
     HANDSHAKE_TIMEOUT_S,
     TRIM_EVERY_S,
@@ -134,7 +135,6 @@ DRAIN_BATCH = 4
 DRAIN_WHILE_SLICING = 1
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
-RATE_WINDOW_S = 10
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
 # microseconds per call, a measurable share of a small request.
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
@@ -144,47 +144,6 @@ _EHOSTUNREACH = int(zmq.EHOSTUNREACH)
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _get = zmq.backend.Socket.get
 _send = zmq.backend.Socket.send
-
-
-class _Metrics:
-    """Counters written by the server thread only; :meth:`snapshot` may run on any thread (ints are read
-    atomically; the rate is approximate by design)."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.requests = self.errors = self.busy = self.bytes_in = self.bytes_out = 0
-        self.replies_dropped = self.queue_peak = self.compactions = self.compacted_bytes = 0
-        self.replies_over_budget = self.bulk_requests = 0
-        self.busy_share = self.requests_abandoned = 0
-        self._stamp = [0] * RATE_WINDOW_S
-        self._count = [0] * RATE_WINDOW_S
-
-    def tick(self, now: float) -> None:
-        sec = int(now)
-        i = sec % RATE_WINDOW_S
-        if self._stamp[i] != sec:
-            self._stamp[i], self._count[i] = sec, 0
-        self._count[i] += 1
-
-    def rate(self) -> float:
-        now = time.monotonic()
-        sec = int(now)
-        total = sum(c for s, c in zip(self._stamp, self._count, strict=True) if sec - RATE_WINDOW_S < s <= sec)
-        span = min(float(RATE_WINDOW_S), max(now - self.started, 1e-3))
-        return total / span
-
-    def snapshot(self, queue_depth: int, queued_bytes: int, peers_cut: int, replies_held: int,
-                 bulk_depth: int, peers_queued: int) -> dict[str, Any]:
-        return {"requests": self.requests, "errors": self.errors, "busy": self.busy,
-                "busy_share": self.busy_share, "requests_abandoned": self.requests_abandoned,
-                "peers_queued": peers_queued,
-                "bulk_requests": self.bulk_requests, "bulk_depth": bulk_depth,
-                "requests_per_s": round(self.rate(), 3), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "replies_dropped": self.replies_dropped, "replies_over_budget": self.replies_over_budget,
-                "peers_cut": peers_cut, "replies_held_bytes": replies_held,
-                "queue_depth": queue_depth, "queued_bytes": queued_bytes,
-                "queue_peak": self.queue_peak, "compactions": self.compactions,
-                "compacted_bytes": self.compacted_bytes, "uptime_s": round(time.monotonic() - self.started, 3)}
 
 
 class _PeerQueue:
@@ -254,7 +213,7 @@ class RouterServer:
         self._max_peer = max_peer_requests
         self._heartbeat = (heartbeat_ivl_s, heartbeat_timeout_s)
         self._linger_ms = int(linger_s * 1000)
-        self._metrics = _Metrics()
+        self._metrics = Metrics()
         # admission (loop thread only): each connection's FIFO of (frames, size, fd), and the connections with
         # requests queued in the order they take turns; _queued counts the requests of all of them
         self._peers: dict[bytes, _PeerQueue] = {}
