@@ -55,6 +55,7 @@ COMPILED = (
     "wire.protocol",
     "wire.routing",
     "wire.schema",
+    "wire.server.admission",
     "wire.server.departures",
     "wire.server.lane",
     "wire.server.loop",
