@@ -48,8 +48,9 @@ def _server(conn: Any, variant: str | None = None) -> None:
     from kvd.wire.server import ShardServer
 
     if variant is not None:  # "N[-rule...]": N messages read a turn (the loop reads the constant every turn), and
-        import kvd.wire.server.loop as loop  # "rotation": a peer that had nothing queued joins the back of the
-        import kvd.wire.server.shard as shard  # rotation; "sliceK": lookups in slices of K ids (4096: whole);
+        import kvd.wire.server.admission as admission  # "rotation": a peer that had nothing queued joins the back
+        import kvd.wire.server.loop as loop  # of the rotation; "sliceK": lookups in slices of K ids (4096: whole);
+        import kvd.wire.server.shard as shard
 
         batch, *rules = variant.split("-")  # "whileK": K messages read a turn while a lookup runs in slices
         loop.DRAIN_BATCH = int(batch)
@@ -59,12 +60,12 @@ def _server(conn: Any, variant: str | None = None) -> None:
             elif rule.startswith("while") and rule[5:].isdigit():
                 loop.DRAIN_WHILE_SLICING = int(rule[5:])
             elif rule == "rotation":
-                def behind(self: Any, ahead: Any = loop.RouterServer._next) -> Any:
+                def behind(self: Any, ahead: Any = admission.Admission.take) -> Any:
                     while self._fresh:
                         self._turns.append(self._fresh.popleft())
                     return ahead(self)
 
-                loop.RouterServer._next = behind
+                admission.Admission.take = behind
             else:
                 raise SystemExit(f"unknown loop variant {variant!r}")
 

@@ -422,7 +422,7 @@ def test_a_long_lookup_of_a_connection_that_left_stops_and_the_loop_forgets_it()
         assert isinstance(request(polite, p.PingRequest(request_id=5)), p.PingReply)
         assert server.metrics()["requests_abandoned"] == 1
         assert server.lookups == [LOOKUP_SLICE]
-        assert not server._slicing
+        assert not server._admission.slicing
     finally:
         server.go.set()
         ctx.destroy(linger=0)
@@ -450,7 +450,7 @@ def test_a_long_lookup_refused_to_make_room_leaves_nothing_behind() -> None:
         assert isinstance(refused, p.ErrorReply) and refused.code == Busy.code and refused.request_id == 3
         reply = request(long, p.LengthsRequest(request_id=5, namespace=NS, seq_ids=("polite", "x1")))
         assert isinstance(reply, p.LengthsReply) and reply.request_id == 5 and reply.lengths == (64, None)
-        assert not server._slicing
+        assert not server._admission.slicing
     finally:
         server.go.set()
         ctx.destroy(linger=0)

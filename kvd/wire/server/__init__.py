@@ -1,9 +1,10 @@
 """ZeroMQ servers: :class:`ShardServer` (the data path around one Store) and :class:`TopologyServer` (the
 coordinator's topology endpoint). Wire format: docs/protocol.md; codec: :mod:`kvd.protocol`.
 
-One module per job: ``loop`` (the ROUTER loop both run: admission, replies, the connection guard, metrics),
-``lane`` (a shard's bulk lane for large requests), ``shard`` (the store's operations), ``topology`` (the
-coordinator's endpoint). Each module's docstring has its part of the theory of operation.
+One module per job: ``loop`` (the ROUTER loop both run: admission, replies, the connection guard),
+``admission`` (its queues per connection and their turns), ``metrics`` (its counters), ``lane`` (a shard's bulk
+lane for large requests), ``shard`` (the store's operations), ``topology`` (the coordinator's endpoint). Each
+module's docstring has its part of the theory of operation.
 """
 
 from kvd.wire.curve import CurveConfig, keygen

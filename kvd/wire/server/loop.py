@@ -1,7 +1,7 @@
-"""The ROUTER loop every kvd server runs (:class:`RouterServer`): binding, socket options, CURVE, admission,
-replies, metrics. :class:`~kvd.wire.server.shard.ShardServer` and
-:class:`~kvd.wire.server.topology.TopologyServer` say what a request does. Wire format: docs/protocol.md;
-codec: :mod:`kvd.protocol`.
+"""The ROUTER loop every kvd server runs (:class:`RouterServer`): binding, socket options, CURVE, admission (the
+queues and turns: :mod:`kvd.wire.server.admission`), replies, metrics (counted by :mod:`kvd.wire.server.metrics`).
+:class:`~kvd.wire.server.shard.ShardServer` and :class:`~kvd.wire.server.topology.TopologyServer` say what a
+request does. Wire format: docs/protocol.md; codec: :mod:`kvd.protocol`.
 
 Theory of operation
 -------------------
@@ -73,7 +73,6 @@ makes glibc recycle them (:func:`tune_malloc`) instead of paying a page fault pe
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
@@ -91,8 +90,10 @@ from kvd.codec import pages
 from kvd.errors import Busy, ConfigError, KvdError
 from kvd.wire import protocol as p
 from kvd.wire.curve import ZAP_DOMAIN, AllowList, CurveConfig
+from kvd.wire.server.admission import FULL, OVER_SHARE, Admission
 from kvd.wire.server.departures import Departures
 from kvd.wire.server.lane import BulkLane
+from kvd.wire.server.metrics import Metrics
 from kvd.wire.sockets import (
     HANDSHAKE_TIMEOUT_S,
     TRIM_EVERY_S,
@@ -134,7 +135,6 @@ DRAIN_BATCH = 4
 DRAIN_WHILE_SLICING = 1
 MIN_SOCKET_BUFFER_BYTES = 4096  # the smallest socket_buffer_bytes taken (Linux doubles it and floors it too)
 GUARD_INTERVAL_S = 0.01  # how often the connection guard looks at every connection (see ConnectionGuard)
-RATE_WINDOW_S = 10
 # Plain ints and pyzmq's backend methods on the hot path: the sugar layer's enum flags and option wrappers cost
 # microseconds per call, a measurable share of a small request.
 _SNDMORE, _NOBLOCK, _POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
@@ -144,57 +144,6 @@ _EHOSTUNREACH = int(zmq.EHOSTUNREACH)
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _get = zmq.backend.Socket.get
 _send = zmq.backend.Socket.send
-
-
-class _Metrics:
-    """Counters written by the server thread only; :meth:`snapshot` may run on any thread (ints are read
-    atomically; the rate is approximate by design)."""
-
-    def __init__(self) -> None:
-        self.started = time.monotonic()
-        self.requests = self.errors = self.busy = self.bytes_in = self.bytes_out = 0
-        self.replies_dropped = self.queue_peak = self.compactions = self.compacted_bytes = 0
-        self.replies_over_budget = self.bulk_requests = 0
-        self.busy_share = self.requests_abandoned = 0
-        self._stamp = [0] * RATE_WINDOW_S
-        self._count = [0] * RATE_WINDOW_S
-
-    def tick(self, now: float) -> None:
-        sec = int(now)
-        i = sec % RATE_WINDOW_S
-        if self._stamp[i] != sec:
-            self._stamp[i], self._count[i] = sec, 0
-        self._count[i] += 1
-
-    def rate(self) -> float:
-        now = time.monotonic()
-        sec = int(now)
-        total = sum(c for s, c in zip(self._stamp, self._count, strict=True) if sec - RATE_WINDOW_S < s <= sec)
-        span = min(float(RATE_WINDOW_S), max(now - self.started, 1e-3))
-        return total / span
-
-    def snapshot(self, queue_depth: int, queued_bytes: int, peers_cut: int, replies_held: int,
-                 bulk_depth: int, peers_queued: int) -> dict[str, Any]:
-        return {"requests": self.requests, "errors": self.errors, "busy": self.busy,
-                "busy_share": self.busy_share, "requests_abandoned": self.requests_abandoned,
-                "peers_queued": peers_queued,
-                "bulk_requests": self.bulk_requests, "bulk_depth": bulk_depth,
-                "requests_per_s": round(self.rate(), 3), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "replies_dropped": self.replies_dropped, "replies_over_budget": self.replies_over_budget,
-                "peers_cut": peers_cut, "replies_held_bytes": replies_held,
-                "queue_depth": queue_depth, "queued_bytes": queued_bytes,
-                "queue_peak": self.queue_peak, "compactions": self.compactions,
-                "compacted_bytes": self.compacted_bytes, "uptime_s": round(time.monotonic() - self.started, 3)}
-
-
-class _PeerQueue:
-    """One connection's admitted requests, oldest first: ``(frames, size, fd)``, and their bytes."""
-
-    __slots__ = ("nbytes", "requests")
-
-    def __init__(self) -> None:
-        self.requests: collections.deque[tuple[list[zmq.Frame], int, int]] = collections.deque()
-        self.nbytes = 0
 
 
 class ToBulkLane(Exception):
@@ -250,19 +199,12 @@ class RouterServer:
             float(guard_interval_s)
         self._guard: ConnectionGuard | None = None
         self._curve = curve
-        self._max_queued, self._max_queued_bytes, self._hwm = max_queued_requests, max_queued_bytes, hwm
-        self._max_peer = max_peer_requests
+        self._hwm = hwm
         self._heartbeat = (heartbeat_ivl_s, heartbeat_timeout_s)
         self._linger_ms = int(linger_s * 1000)
-        self._metrics = _Metrics()
-        # admission (loop thread only): each connection's FIFO of (frames, size, fd), and the connections with
-        # requests queued in the order they take turns; _queued counts the requests of all of them
-        self._peers: dict[bytes, _PeerQueue] = {}
-        self._turns: collections.deque[bytes] = collections.deque()  # peers with requests queued, in turn
-        self._fresh: collections.deque[bytes] = collections.deque()  # peers that had nothing queued, in order
-        self._took_fresh = False  # whether the last request run was a newcomer's
-        self._queued = 0
-        self._queued_bytes = 0
+        self._metrics = Metrics()
+        # the requests received and not yet answered, per connection, and their turns (loop thread only)
+        self._admission = Admission(max_queued_requests, max_queued_bytes, max_peer_requests)
         self._departed = Departures(self._abandon)  # which connections have left (loop thread only)
         self._endpoint: str | None = None
         self._thread: threading.Thread | None = None
@@ -273,11 +215,6 @@ class RouterServer:
         self._since_idle = 0
         self._ctx: zmq.Context[Any] | None = None
         self._lane: BulkLane | None = None  # a shard's bulk lane (started by _main when _wants_lane)
-        self._bulk_owed: dict[bytes, int] = {}  # connection -> its requests on the bulk lane (loop thread only)
-        self._bulk_pending = 0
-        # connection -> (request, its remaining slices): a long read run a slice a turn (see _slices); the
-        # request is the front of that connection's queue until its last slice (loop thread only)
-        self._slicing: dict[bytes, tuple[Any, Iterator[None]]] = {}
         self._loop_thread = -1  # the serving thread's id (threading.get_ident()), once it runs
 
     # -------------------------------------------------------------------------------------------- lifecycle
@@ -326,10 +263,10 @@ class RouterServer:
         kernel, last look), queue_depth, queued_bytes, queue_peak, compactions, compacted_bytes, uptime_s,
         socket_buffer_bytes (each connection's TCP buffers as asked of the kernel; 0: the system's, autotuned),
         max_reply_bytes (the reply budget in force)."""
-        guard = self._guard
-        out = self._metrics.snapshot(self._queued + self._bulk_pending, self._queued_bytes,
+        guard, adm = self._guard, self._admission
+        out = self._metrics.snapshot(adm.queued + adm.bulk_pending, adm.queued_bytes,
                                      guard.cuts if guard else 0, guard.held_total if guard else 0,
-                                     self._bulk_pending, len(self._peers))
+                                     adm.bulk_pending, len(adm.peers))
         out["peers_left"] = guard.departures if guard else 0
         out["socket_buffer_bytes"] = self._socket_buffer
         out["max_reply_bytes"] = self._max_reply
@@ -472,10 +409,11 @@ class RouterServer:
         it to the bulk lane). Returns whether idle work (compaction) remains."""
         guard = self._guard
         lane = self._lane
-        if lane is not None and self._bulk_pending:
+        adm = self._admission
+        if lane is not None and adm.bulk_pending:
             self._deliver(sock, lane)
-        if not self._queued:
-            if lane is not None and self._bulk_pending:  # wait for a message or for the bulk lane's next reply
+        if not adm.queued:
+            if lane is not None and adm.bulk_pending:  # wait for a message or for the bulk lane's next reply
                 lane.wait(sock)
                 self._deliver(sock, lane)
                 if not int(_get(sock, _EVENTS)) & _POLLIN:
@@ -490,7 +428,7 @@ class RouterServer:
             elif not self._receive(sock):  # nothing for IDLE_TICK_S: idle work (a shard's lane does its own)
                 return False if lane is not None else self._idle()
         n = 0
-        batch = DRAIN_WHILE_SLICING if self._slicing else DRAIN_BATCH
+        batch = DRAIN_WHILE_SLICING if adm.slicing else DRAIN_BATCH
         while n < batch:
             if not int(_get(sock, _EVENTS)) & _POLLIN:
                 if guard is not None:
@@ -500,14 +438,14 @@ class RouterServer:
             n += 1
         if guard is not None and guard.departed:  # before a request runs: none for a peer that left
             self._departed.take(guard.departed)
-        if not self._queued:
+        if not adm.queued:
             return idle_work
-        ident, frames, size, fd = self._next()
+        ident, frames, size, fd = adm.take()
         reply = self._run(frames, ident, size, fd)
         del frames  # the request's buffers go before the reply is sent
         if reply is None:  # on the bulk lane: its bytes stay queued until it is answered
             return idle_work
-        self._queued_bytes -= size
+        adm.ran(size)
         self._send(sock, ident, reply, fd)
         if lane is not None:
             return False
@@ -530,16 +468,10 @@ class RouterServer:
         """Send the replies the bulk lane has finished (on the loop thread, which owns the socket)."""
         done = lane.done
         metrics = self._metrics
-        owed = self._bulk_owed
+        adm = self._admission
         while done:
             ident, reply, size, fd, error = done.popleft()
-            self._bulk_pending -= 1
-            self._queued_bytes -= size
-            n = owed[ident] - 1
-            if n:
-                owed[ident] = n
-            else:
-                del owed[ident]
+            adm.from_lane(ident, size)
             if error:
                 metrics.errors += 1
             self._send(sock, ident, reply, fd)
@@ -560,35 +492,27 @@ class RouterServer:
             fd = frames[0].get(_SRCFD)
             guard.took(fd, lens)
             if ident[:1] == b"\0" and fd >= 0 and self._left(guard, ident, fd) \
-                    and not p.changes_state(frames[0].buffer):  # (a ROUTER-made identity; a write still runs)
+                    and not _writes(frames):  # (a ROUTER-made identity; a write still runs)
                 metrics.requests_abandoned += 1
                 return
-        peer = self._peers.get(ident)
-        held = (len(peer.requests) if peer is not None else 0) + self._bulk_owed.get(ident, 0)
-        depth = self._queued + self._bulk_pending
-        if depth:
-            if held >= self._max_peer:
-                metrics.busy_share += 1
-                self._refuse(sock, ident, frames, fd,
-                             f"this connection has {held} requests queued, its share of the server's queue "
-                             f"(max_peer_requests {self._max_peer})")
-                return
-            if (depth >= self._max_queued or self._queued_bytes + size > self._max_queued_bytes) \
-                    and not self._make_room(sock, ident, held, size):
+        adm = self._admission
+        depth = adm.admit(ident, frames, size, fd)
+        if depth == OVER_SHARE:
+            metrics.busy_share += 1
+            self._refuse(sock, ident, frames, fd,
+                         f"this connection has {adm.held(ident)} requests queued, its share of the server's queue "
+                         f"(max_peer_requests {adm.max_peer})")
+            return
+        if depth == FULL:
+            depth = adm.queued + adm.bulk_pending
+            if not self._make_room(sock, ident, size):
                 self._refuse(sock, ident, frames, fd,
                              f"server queue full ({depth} request{'s' if depth != 1 else ''}, "
-                             f"{self._queued_bytes} bytes queued)")
+                             f"{adm.queued_bytes} bytes queued)")
                 return
-            depth = self._queued + self._bulk_pending
-        if peer is None:
-            peer = self._peers[ident] = _PeerQueue()
-            self._fresh.append(ident)
-        peer.requests.append((frames, size, fd))
-        peer.nbytes += size
-        self._queued += 1
-        self._queued_bytes += size
-        if depth + 1 > metrics.queue_peak:
-            metrics.queue_peak = depth + 1
+            depth = adm.push(ident, frames, size, fd)
+        if depth > metrics.queue_peak:
+            metrics.queue_peak = depth
 
     def _refuse(self, sock: zmq.Socket[Any], ident: bytes, frames: list[zmq.Frame], fd: int, why: str) -> None:
         """Answer a request ``Busy`` without running it (its buffers go first)."""
@@ -599,86 +523,27 @@ class RouterServer:
             request_id=rid, code=Busy.code, error="Busy",
             message=f"{why}; the request was not executed: retry after a short backoff")), fd)
 
-    def _make_room(self, sock: zmq.Socket[Any], ident: bytes, held: int, size: int) -> bool:
+    def _make_room(self, sock: zmq.Socket[Any], ident: bytes, size: int) -> bool:
         """The shared queue is full: refuse (``Busy``) the newest queued requests of the peers that hold more than
         the arriving request's peer, heaviest first, until the request fits. False if it cannot (its peer is
         among the heaviest: it is the one over its share)."""
-        own = self._peers.get(ident)
-        own_bytes = (own.nbytes if own is not None else 0) + size
+        adm = self._admission
         metrics = self._metrics
-        while self._queued + self._bulk_pending >= self._max_queued \
-                or self._queued_bytes + size > self._max_queued_bytes:
-            by_bytes = self._queued + self._bulk_pending < self._max_queued
-            victim, most = None, (own_bytes if by_bytes else held + 1)
-            for other, queue in self._peers.items():
-                weight = queue.nbytes if by_bytes else len(queue.requests) + self._bulk_owed.get(other, 0)
-                if other != ident and weight > most and queue.requests:
-                    victim, most = other, weight
-            if victim is None:
+        while adm.full(size):
+            taken = adm.displace(ident, size)
+            if taken is None:
                 return False
-            queue = self._peers[victim]
-            frames, vsize, vfd = queue.requests.pop()
-            self._dequeued(victim, queue, vsize)
+            victim, frames, fd = taken
             metrics.busy_share += 1
-            self._refuse(sock, victim, frames, vfd,
+            self._refuse(sock, victim, frames, fd,
                          "this connection holds more of the server's full queue than others; its newest request "
                          "made room for another connection's")
         return True
 
-    def _next(self) -> tuple[bytes, list[zmq.Frame], int, int]:
-        """The next request to run: the oldest of the peer whose turn it is; that peer goes to the back of the
-        rotation. A peer that had nothing queued goes ahead of the rotation, but never twice in a row while the
-        rotation waits."""
-        turns, fresh = self._turns, self._fresh
-        if fresh and (not turns or not self._took_fresh):
-            ident = fresh.popleft()
-            self._took_fresh = True
-        else:
-            ident = turns.popleft()
-            self._took_fresh = False
-        queue = self._peers[ident]
-        frames, size, fd = queue.requests.popleft()
-        queue.nbytes -= size
-        self._queued -= 1
-        if queue.requests:
-            turns.append(ident)
-        else:
-            del self._peers[ident]
-        return ident, frames, size, fd
-
-    def _dequeued(self, ident: bytes, queue: _PeerQueue, size: int) -> None:
-        """Bookkeeping for a request taken out of ``queue`` without running (its bytes leave the queue)."""
-        queue.nbytes -= size
-        self._queued -= 1
-        self._queued_bytes -= size
-        if not queue.requests:
-            self._slicing.pop(ident, None)  # (it was the front: a read in slices, refused like any other)
-            del self._peers[ident]
-            self._unturn(ident)
-
-    def _unturn(self, ident: bytes) -> None:
-        """``ident`` has nothing queued any more: out of the rotation (or of the newcomers)."""
-        (self._fresh if ident in self._fresh else self._turns).remove(ident)
-
     def _abandon(self, ident: bytes) -> None:
         """The peer is gone: its queued requests that only read are dropped unexecuted (nobody would read their
         replies); its writes stay queued and run."""
-        queue = self._peers.get(ident)
-        if queue is None:
-            return
-        self._slicing.pop(ident, None)  # (a request in slices only reads)
-        writes = collections.deque(r for r in queue.requests if p.changes_state(r[0][0].buffer))
-        n = len(queue.requests) - len(writes)
-        size = queue.nbytes - sum(r[1] for r in writes)
-        self._queued -= n
-        self._queued_bytes -= size
-        self._metrics.requests_abandoned += n
-        if writes:
-            queue.requests, queue.nbytes = writes, queue.nbytes - size
-        else:
-            del self._peers[ident]
-            queue.requests.clear()
-            self._unturn(ident)
+        self._metrics.requests_abandoned += self._admission.abandon(ident, _writes)
 
     def _left(self, guard: ConnectionGuard, ident: bytes, fd: int) -> bool:
         """Whether the connection ``ident`` (a ROUTER-made identity) that sent a message on ``fd`` has left."""
@@ -687,7 +552,8 @@ class RouterServer:
     def _run(self, frames: list[zmq.Frame], ident: bytes, size: int, fd: int) -> list[p.Frame] | None:
         """Parse, execute and encode: the reply frames; or None when the request went to the bulk lane (its
         reply comes back through :meth:`_deliver`) or has slices left (it is queued again). Never raises."""
-        going = self._slicing.pop(ident, None)
+        adm = self._admission
+        going = adm.slicing.pop(ident, None)
         if going is not None:  # the front of this connection's queue is its request in slices: the next one
             return self._slice(going[0], going[1], frames, ident, size, fd)
         views = [f.buffer for f in frames]
@@ -696,7 +562,7 @@ class RouterServer:
             self._metrics.errors += 1
             return p.encode_reply(req)
         lane = self._lane
-        if lane is not None and (ident in self._bulk_owed or self._is_bulk(req, size)):
+        if lane is not None and (ident in adm.bulk_owed or self._is_bulk(req, size)):
             self._to_lane(lane, ident, req, frames, size, fd)
             return None
         slices = self._slices(req)
@@ -721,14 +587,7 @@ class RouterServer:
             self._metrics.errors += 1
         if reply is not None:
             return reply
-        queue = self._peers.get(ident)
-        if queue is None:
-            queue = self._peers[ident] = _PeerQueue()
-            self._turns.append(ident)
-        queue.requests.appendleft((frames, size, fd))
-        queue.nbytes += size
-        self._queued += 1
-        self._slicing[ident] = (req, slices)
+        self._admission.requeue(ident, frames, size, fd, (req, slices))
         return None
 
     def _slices(self, req: Any) -> Iterator[None] | None:
@@ -740,8 +599,7 @@ class RouterServer:
 
     def _to_lane(self, lane: BulkLane, ident: bytes, req: Any, frames: list[zmq.Frame], size: int,
                  fd: int) -> None:
-        self._bulk_owed[ident] = self._bulk_owed.get(ident, 0) + 1
-        self._bulk_pending += 1
+        self._admission.to_lane(ident)
         self._metrics.bulk_requests += 1
         lane.submit((ident, req, frames, size, fd))
 
@@ -820,6 +678,11 @@ class RouterServer:
         return p.HelloReply.for_limits(self._limits, request_id=req.request_id, kvd_version=__version__,
                                        page_format_version=pages.HELD_VERSION, role=role, shard_id=name,
                                        page_tokens=page_tokens)
+
+
+def _writes(frames: list[zmq.Frame]) -> bool:
+    """Whether a request (its frames) changes state, told from its header's op without decoding it."""
+    return p.changes_state(frames[0].buffer)
 
 
 def _peek_id(frames: list[zmq.Frame]) -> int | None:
