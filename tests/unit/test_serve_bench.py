@@ -88,3 +88,22 @@ def test_the_kvd_endpoint_is_read_from_what_kvd_up_printed() -> None:
     assert serve.kvd_endpoint(log) is None  # not yet
     assert serve.kvd_endpoint(log + "kvd endpoint: tcp://127.0.0.1:40331\nCtrl-C stops kvd\n") == \
         "tcp://127.0.0.1:40331"
+
+
+def test_mooncake_evictions_are_its_evicted_keys_not_a_sum_of_every_evict_counter() -> None:
+    """The master exports evictions as keys, operations and bytes; the row's "evict" is the keys (one per engine
+    block, as kvd's evictions count blocks), not a sum with the bytes."""
+    master = """\
+master_successful_evictions_total 47
+master_attempted_evictions_total 47
+master_evicted_key_count 94
+master_evicted_size_bytes 554434560
+master_evict_disk_replica_failures_total 0
+"""
+    store = object.__new__(serve.Mooncake)
+    counters = {name: value for (name, _), value in serve.parse_prometheus(master).items()}
+    store.stats = lambda: counters  # type: ignore[method-assign]
+    before = {"master_evicted_key_count": 4.0, "master_evicted_size_bytes": 23592960.0}
+    delta = serve.store_delta(store, before, put_failures=3)
+    assert delta["evictions"] == 90
+    assert delta["failed_puts"] == 3
