@@ -262,13 +262,15 @@ class ConnectionGuard:
         self.sent: dict[int, int] = {}  # fd -> wire bytes of the replies the loop gave ZeroMQ for it
         self.sent_total = 0
         self.drains = 0  # times the loop found no complete message waiting
+        self._met: collections.deque[tuple[int, int]] = collections.deque(maxlen=DEPARTED_MAX)  # (fd, inode)
         # written by the guard's thread
         self.in_kernel: dict[int, int] = {}  # fd -> reply bytes (in `sent` units) that left ZeroMQ, last look
         self.held_total = 0  # reply bytes held by ZeroMQ over all connections, last look
         self.sent_total_seen = 0  # sent_total at that look
         self.cuts = 0
         self.departed: collections.deque[int] = collections.deque(maxlen=DEPARTED_MAX)  # inodes, for the loop
-        self.departures = 0  # connections that ended (those the guard held)
+        self.departures = 0  # connections that ended (those the guard held or the loop met)
+        self._gone_inodes: dict[int, None] = {}  # the inodes announced departed, latest DEPARTED_MAX (for _meet)
         self._conns: dict[int, _Conn] = {}
         self._inodes: set[int] = set()  # the sockets of _conns
         self._unheld_gone: set[int] = set()  # numbers announced disconnected while the guard held none there
@@ -289,6 +291,13 @@ class ConnectionGuard:
         n = wire_bytes(sizes, self.curve)
         self.sent[fd] = self.sent.get(fd, 0) + n
         self.sent_total += n
+
+    def met(self, fd: int, ino: int) -> None:
+        """The loop took the first message of a connection: descriptor ``fd``, socket inode ``ino`` (read then).
+        The guard holds it from then on if it does not already, so its departure is announced even when the guard
+        reads its ACCEPTED only after ZeroMQ closed it (a peer that sends and leaves at once, the guard's thread
+        not run in between), which leaves nothing to take."""
+        self._met.append((fd, ino))
 
     def reply_allowed(self, fd: int, size: int) -> bool:
         """Whether a reply of ``size`` bytes to ``fd`` fits the reply budget. Over it, only a peer that has read
@@ -332,6 +341,8 @@ class ConnectionGuard:
                     # the events first, always: libzmq's I/O thread blocks while they are not read
                     if monitor.poll(int(self._interval * 1000)):
                         self._events()
+                    if self._met:
+                        self._meet()
                     self._look(time.monotonic())
                 except Exception:  # noqa: BLE001 - the guard must not die on one odd connection
                     log.exception("%s: connection guard error, guarding on", self._name)
@@ -355,8 +366,10 @@ class ConnectionGuard:
                 # The number still names the socket the guard holds. An ACCEPTED: that connection's own, read
                 # after the guard took it on an earlier connection's late ACCEPTED. A DISCONNECTED: either it is
                 # ending (ZeroMQ announces that before it closes the descriptor) or an earlier connection of that
-                # number is, read late: the look forgets it once ZeroMQ has closed it.
-                held.leaving = event != zmq.EVENT_ACCEPTED
+                # number is, read late: the look forgets it once ZeroMQ has closed it. Once leaving, it stays so
+                # (the look only lets go of a connection whose number no longer names it, never of a live one): its
+                # own ACCEPTED may come after its DISCONNECTED (a connection the loop met first, _meet).
+                held.leaving = held.leaving or event != zmq.EVENT_ACCEPTED
                 continue
             self._forget(fd)  # (the number names another socket now, or none: the connection held has ended)
             if event == zmq.EVENT_ACCEPTED:
@@ -385,6 +398,37 @@ class ConnectionGuard:
                 or not listener_port.isdigit() or port != int(listener_port)):
             sock.close()  # a late event: the number now names another socket, or one already held
             return None
+        return self._hold(sock, fd, ino)
+
+    def _meet(self) -> None:
+        """Hold each connection the loop met that the guard does not hold; one already closed has ended."""
+        met = self._met
+        while met:
+            fd, ino = met.popleft()
+            if ino in self._inodes or ino in self._gone_inodes:
+                continue  # held, or announced departed already
+            held = self._conns.get(fd)
+            if held is not None and not _names(fd, held.ino):
+                self._forget(fd)  # (its number names another socket now: the connection held has ended)
+            try:
+                sock = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                sock = None
+            try:
+                named = sock is not None and os.fstat(sock.fileno()).st_ino == ino
+            except OSError:
+                named = False
+            if sock is None or not named:  # closed since the loop met it (its number may be a newer one's, held)
+                if sock is not None:
+                    sock.close()
+                self._announce(ino)
+                continue
+            conn = self._hold(sock, fd, ino)
+            if conn is not None:
+                conn.leaving = True  # its DISCONNECTED may have been read before, while the guard held none
+
+    def _hold(self, sock: socket.socket, fd: int, ino: int) -> _Conn | None:
+        """Hold the connection ``sock`` (the guard's copy of ``fd``; closed if it cannot be measured)."""
         conn = _Conn(sock, fd, ino, time.monotonic())
         # the bases: what was already counted on either side when the guard met the connection
         conn.base_in, conn.base_out = self.delivered.get(fd, 0), self.sent.get(fd, 0)
@@ -402,12 +446,20 @@ class ConnectionGuard:
         if conn is None:
             return
         self._inodes.discard(conn.ino)
-        self.departed.append(conn.ino)
-        self.departures += 1
+        self._announce(conn.ino)
         if max(conn.unread, conn.held) >= TRIM_HEAVY_BYTES:
             self._trim_at = time.monotonic() + TRIM_AFTER_S
         self.in_kernel.pop(fd, None)
         conn.sock.close()
+
+    def _announce(self, ino: int) -> None:
+        """The connection of socket inode ``ino`` has ended: tell the loop, once."""
+        self.departed.append(ino)
+        self.departures += 1
+        gone = self._gone_inodes
+        if len(gone) >= DEPARTED_MAX:
+            del gone[next(iter(gone))]
+        gone[ino] = None
 
     @staticmethod
     def _info(conn: _Conn) -> tuple[int, int] | None:

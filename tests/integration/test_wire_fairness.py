@@ -10,6 +10,7 @@ before or after the polite append), never through wall-clock times.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -424,6 +425,62 @@ def test_a_long_lookup_of_a_connection_that_left_stops_and_the_loop_forgets_it()
         assert server.lookups == [LOOKUP_SLICE]
         assert not server._admission.slicing
     finally:
+        server.go.set()
+        ctx.destroy(linger=0)
+        server.stop()
+
+
+def _socket_inodes() -> set[str]:
+    """The sockets this process has open (both ends of a connection to itself among them)."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            found.add(link)
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_connection_that_leaves_before_the_guard_hears_of_it_is_still_learned_gone() -> None:
+    """A peer sends a long lookup and leaves before the connection guard's thread has read a single event (a busy
+    machine): ZeroMQ has closed the connection by the time the guard reads its ACCEPTED, so the guard alone cannot
+    know it; the loop, which met it, says so, and its lookup stops."""
+    server = _HeldLookups()
+    server.start()
+    guard = server._guard
+    assert guard is not None
+    gate = threading.Event()
+    read_events = guard._events
+
+    def events_late() -> None:
+        assert gate.wait(60)
+        read_events()
+
+    guard._events = events_late  # type: ignore[method-assign]
+    ctx, gone_ctx = zmq.Context(), zmq.Context()
+    try:
+        polite = _polite(server, ctx)
+        before = _socket_inodes()
+        _hold_long_lookup(server, gone_ctx)
+        gone_ctx.destroy(linger=0)
+        deadline = time.monotonic() + 30
+        while _socket_inodes() - before:  # readiness: ZeroMQ closed both ends of the connection that left
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        gate.set()
+        while not server.metrics()["peers_left"]:
+            assert time.monotonic() < deadline, "the departure of a connection the loop met was never learned"
+            time.sleep(0.01)
+        server.go.set()
+        assert isinstance(request(polite, p.PingRequest(request_id=5)), p.PingReply)
+        assert server.metrics()["peers_left"] == 1
+        assert server.metrics()["requests_abandoned"] == 1
+        assert server.lookups == [LOOKUP_SLICE]
+    finally:
+        gate.set()
         server.go.set()
         ctx.destroy(linger=0)
         server.stop()

@@ -222,3 +222,72 @@ def test_a_connection_announced_closed_before_accepted_is_let_go_once_zeromq_clo
     assert _sees_eof(peer), "the guard still holds a connection ZeroMQ closed"
     assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
     peer.close()
+
+
+# The serving loop tells the guard of each connection whose first message it took (ConnectionGuard.met): a peer
+# that sends and leaves before the guard's thread runs is closed by the time the guard reads its ACCEPTED, so
+# there is nothing to take, and without the loop's word its departure was never announced (CI,
+# test_wire_fairness: a long lookup of a connection that left was never stopped).
+
+def test_a_connection_the_loop_met_that_closed_before_the_guard_read_its_events_is_announced_departed_once(
+        listener: Listener) -> None:
+    peer, server_end = listener.connect()
+    fd, ino = server_end.fileno(), _ino(server_end)
+    server_end.close()  # ZeroMQ closes it before the guard's thread ran
+    listener.guard.met(fd, ino)  # the loop had read its first message while it was open
+    listener.event(zmq.EVENT_ACCEPTED, fd)  # read late: the number names nothing now
+    listener.event(zmq.EVENT_DISCONNECTED, fd)
+    marker = _processed(listener)
+    assert list(listener.guard.departed) == [ino]
+    assert listener.guard.departures == 1
+    for s in (peer, *marker):
+        s.close()
+
+
+def test_a_met_connection_announced_closed_before_accepted_is_let_go_once_zeromq_closes_it(
+        listener: Listener) -> None:
+    # DISCONNECTED read while the guard held none, then the loop's word, then the late ACCEPTED while the
+    # descriptor is still open: that ACCEPTED must not make the guard hold the connection after ZeroMQ closes it.
+    peer, server_end = listener.connect()
+    fd, ino = server_end.fileno(), _ino(server_end)
+    listener.event(zmq.EVENT_DISCONNECTED, fd)
+    marker = _processed(listener)
+    listener.guard.met(fd, ino)
+    assert _wait_for(lambda: _copies(fd)), "the guard did not take the connection the loop met"
+    listener.event(zmq.EVENT_ACCEPTED, fd)
+    marker2 = _processed(listener)
+    assert list(listener.guard.departed) == []
+    server_end.close()
+    assert _sees_eof(peer), "the guard still holds a connection ZeroMQ closed"
+    assert _wait_for(lambda: list(listener.guard.departed)) == [ino]
+    for s in (peer, *marker, *marker2):
+        s.close()
+
+
+def test_the_loops_word_on_a_connection_the_guard_holds_changes_nothing(listener: Listener) -> None:
+    client, client_end = listener.connect()
+    fd = client_end.fileno()
+    listener.event(zmq.EVENT_ACCEPTED, fd)
+    assert _wait_for(lambda: _copies(fd))
+    listener.guard.met(fd, _ino(client_end))
+    _live_then_departs(listener, client, client_end)  # one copy, no departure while live, one once it ends
+
+
+def test_the_loops_word_on_a_connection_whose_number_a_newer_one_took_announces_only_the_old_one(
+        listener: Listener) -> None:
+    old, old_end = listener.connect()
+    fd, old_ino = old_end.fileno(), _ino(old_end)
+    old_end.close()
+    old.close()
+    client, client_end = _reuse_number(listener, fd)
+    listener.event(zmq.EVENT_ACCEPTED, fd)  # the old connection's, read late: the guard takes the client
+    assert _wait_for(lambda: _copies(fd))
+    listener.guard.met(fd, old_ino)  # the loop had met the old one
+    marker = _processed(listener)
+    assert list(listener.guard.departed) == [old_ino]
+    assert len(_copies(fd)) == 1, "the guard holds one copy of the live client's connection"
+    listener.guard.departed.clear()
+    listener.event(zmq.EVENT_ACCEPTED, fd)  # the client's own
+    _live_then_departs(listener, client, client_end)
+    for s in marker:
+        s.close()

@@ -22,12 +22,13 @@ GONE_PEERS_MAX = 16384  # connections known to have left, whose messages still d
 class Departures:
     """The socket inode of each connection a message came from, by identity (ROUTER-made identities only), the
     reverse, and the connections known to have left (oldest first, bounded). ``on_gone(ident)`` is called once
-    for each connection found to have left (the loop drops its queued reads)."""
+    for each connection found to have left (the loop drops its queued reads); ``on_met(fd, inode)`` once for each
+    connection whose inode is recorded (the loop tells the guard, which may not have taken it yet)."""
 
-    __slots__ = ("_gone", "_inode_peers", "_left_unseen", "_on_gone", "_peer_inode")
+    __slots__ = ("_gone", "_inode_peers", "_left_unseen", "_on_gone", "_on_met", "_peer_inode")
 
-    def __init__(self, on_gone: Callable[[bytes], None]) -> None:
-        self._on_gone = on_gone
+    def __init__(self, on_gone: Callable[[bytes], None], on_met: Callable[[int, int], None]) -> None:
+        self._on_gone, self._on_met = on_gone, on_met
         self._peer_inode: dict[bytes, int] = {}
         self._inode_peers: dict[int, list[bytes]] = {}
         self._gone: dict[bytes, None] = {}
@@ -61,6 +62,7 @@ class Departures:
             self._forget_peer(next(iter(peer_inode)))
         peer_inode[ident] = st.st_ino
         self._inode_peers.setdefault(st.st_ino, []).append(ident)
+        self._on_met(fd, st.st_ino)
         return False
 
     def take(self, departed: collections.deque[int]) -> None:

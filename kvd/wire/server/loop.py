@@ -37,11 +37,12 @@ while one runs, the loop reads one message a turn (``DRAIN_WHILE_SLICING``), not
 naming the connection's socket inode, and the loop knows the inode of every connection it took a message from
 (read once, at its first message, while the descriptor is still that connection's; a descriptor already closed
 at the first message, or whose inode a departure named before, is a connection that left before the loop saw
-it). Of what such a peer sent, queued or
-still delivered by ZeroMQ, the requests that only read are dropped unexecuted (``requests_abandoned``): nobody
-would read their replies. Its writes (:data:`~kvd.wire.messages.STATE_OPS`: append, drop, register, calibrate,
-told from the header's op without decoding the request) still run, so a client that sends appends and closes
-keeps them. Learned only from a failed reply (EHOSTUNREACH, which
+it). The loop tells the guard of each connection it meets (:meth:`~kvd.wire.sockets.ConnectionGuard.met`): the
+guard may read a connection's accept only after it closed, and would then never announce it. Of what such a
+peer sent, queued or still delivered by ZeroMQ, the requests that only read are dropped unexecuted
+(``requests_abandoned``): nobody would read their replies. Its writes (:data:`~kvd.wire.messages.STATE_OPS`:
+append, drop, register, calibrate, told from the header's op without decoding the request) still run, so a
+client that sends appends and closes keeps them. Learned only from a failed reply (EHOSTUNREACH, which
 ZeroMQ gives once the departed peer's pipe is read to its end; until then a reply gets EAGAIN, like one to a
 slow reader), a client that pipelines 1 MiB gets and leaves, again and again, kept every such connection in the
 rotation with a get built for nobody, and the shard stalled for everyone well after the flood
@@ -205,7 +206,7 @@ class RouterServer:
         self._metrics = Metrics()
         # the requests received and not yet answered, per connection, and their turns (loop thread only)
         self._admission = Admission(max_queued_requests, max_queued_bytes, max_peer_requests)
-        self._departed = Departures(self._abandon)  # which connections have left (loop thread only)
+        self._departed = Departures(self._abandon, self._met)  # which connections have left (loop thread only)
         self._endpoint: str | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -544,6 +545,11 @@ class RouterServer:
         """The peer is gone: its queued requests that only read are dropped unexecuted (nobody would read their
         replies); its writes stay queued and run."""
         self._metrics.requests_abandoned += self._admission.abandon(ident, _writes)
+
+    def _met(self, fd: int, ino: int) -> None:
+        """A connection's first message came on ``fd`` (socket inode ``ino``): the guard learns of it."""
+        if self._guard is not None:
+            self._guard.met(fd, ino)
 
     def _left(self, guard: ConnectionGuard, ident: bytes, fd: int) -> bool:
         """Whether the connection ``ident`` (a ROUTER-made identity) that sent a message on ``fd`` has left."""
