@@ -31,9 +31,9 @@ stores it) is one *reuse distance*, in uses of the store (ticks). Once ``REUSE_M
 tail unused for longer than ``STALE_FACTOR`` x the ``STALE_QUANTILE`` quantile of the last ``REUSE_WINDOW``
 distances is *stale*, and the least recently used stale tail goes before every other tail (not before an
 unreachable sequence). A workload whose prompts recur keeps its chains within that bound and is ordered by
-depth as before; when the prompts change, the old chains outlive the bound and go first. The distances of sequences that left memory are kept
-for the last ``GHOSTS`` of them (or twice the sequences in memory), so a sequence evicted and stored again
-counts (the long distances a cache too small for its workload sees).
+depth as before; when the prompts change, the old chains outlive the bound and go first. The distances of
+sequences that left memory are kept for the last ``GHOSTS`` of them (or twice the sequences in memory), so a
+sequence evicted and stored again counts (the long distances a cache too small for its workload sees).
 
 Replaying bench/serve.py's workloads into a store (bench/serve.py --replay, BENCHMARKS.md "Serving"; the
 measured reasons in docs/design.md, "Prefix-aware eviction"): under LRU each prompt's unique last block pushes out
