@@ -15,10 +15,10 @@
    growing capacity (an append must cost the same however many sequences are kept), and decode-step
    appends: one token of every layer at a time, median and mean us per append.
 2. Tokens held per GiB at each level relative to fp16, for 4,096-token sequences with the default settings
-   (sink page raw, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
+   (sink page at the 8-bit rung at most, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
    headers included on both sides), and against the raw fp16 bytes of the tokens. Then a prompt stored one
    128-token block per sequence (what the vLLM connector does): every block at position 0, as before protocol
-   1.3 (each block's first page kept fp16 as a sink page), against each block at its prompt position.
+   1.3 (each block's first page kept as a sink page), against each block at its prompt position.
 3. Re-compression (compact) from fp16 to q4: GB/s of stored fp16 pages re-encoded.
 5. The hot tail (``--only tail``): bytes held by a sequence of 1, 16 and 63 tokens (used_bytes of a store holding
    only it, less the namespace's charge), decode-step appends (one token, median and mean us, the mean carrying
@@ -26,7 +26,8 @@
    sealed, an 8-token tail; median us). ``--against DIR`` runs the same measurements on the kvd source tree in
    DIR (built: a copy of a checkout's ``kvd/`` with its compiled modules) in alternating subprocesses, and
    gives each figure's ratio to it.
-4. Attention error of the real sample read back through the store, sink and window on and off:
+4. Attention error of the real sample read back through the store, sink and window on and off (sink 4: the
+   default, the sink page at the 8-bit rung at most; sink 4 fp16: ``sink_raw``):
    eps_O = ||softmax(q K^T / sqrt(d)) V - O|| / ||O||, causal, grouped-query (9 query heads share 3 KV heads),
    the last 256 queries, O from the unquantized keys (post-RoPE) and values; mean and worst over 30 layers.
 """
@@ -400,18 +401,19 @@ def attention_error(quick: bool) -> list[list[str]] | None:
         v = np.stack([z[f"L{i}_v"] for i in range(n)])
     layers, t, heads, dim = k.shape
     ref = [attention(q[i], k[i], v[i]) for i in range(layers)]
-    configs = {"none": (0, 0), "sink 4": (4, 0), "window 128": (0, 128), "sink 4 + window 128": (4, 128)}
+    configs = {"none": (0, 0, False), "sink 4": (4, 0, False), "sink 4 fp16": (4, 0, True),
+               "window 128": (0, 128, False), "sink 4 + window 128": (4, 128, False)}
     if quick:
-        configs = {"none": (0, 0), "sink 4": (4, 0)}
+        configs = {"none": (0, 0, False), "sink 4": (4, 0, False)}
     levels: list[tuple[str, list[tuple[str, int]]]] = [
         (lv, [(lv, 1)]) for lv in ("q8", "fp8_e4m3", "fp8_e5m2", "q4")
     ]
     levels.append(("q8 -> q4 (re-compressed)", [("q8", 1), ("q4", 2)]))
     rows = []
     for label, steps in levels:
-        for cname, (sink, window) in configs.items():
+        for cname, (sink, window, sink_raw) in configs.items():
             first = steps[0][0]
-            s = make_store(first, (layers, heads, dim), sink_tokens=sink, window_tokens=window)
+            s = make_store(first, (layers, heads, dim), sink_tokens=sink, window_tokens=window, sink_raw=sink_raw)
             for a, b in ((0, 100), (100, 101), (101, t)):
                 s.append("m", 1, k[:, a:b], v[:, a:b])
             for fmt, epoch in steps[1:]:

@@ -140,8 +140,9 @@ class StoreSettings:
     sink_tokens: int | None = _setting(
         None,
         optional(integer_in(0)),
-        "first tokens kept at fp16 per sequence, attention sinks (default: the store's)",
+        "first tokens per sequence, attention sinks, kept at the 8-bit rung or above (default: the store's)",
     )
+    sink_raw: bool = _setting(False, boolean, "keep the sink tokens' pages at fp16 at every level")
     raw_layers: tuple[int, ...] = _setting((), int_tuple, "layers never quantized, e.g. [0, 31]")
     raw_heads: tuple[int, ...] = _setting((), int_tuple, "KV heads never quantized")
     require_calibration: bool = _setting(
@@ -395,6 +396,7 @@ class Config:
             "eviction": s.eviction,
             "eviction_order": s.eviction_order,
             "eight_bit": s.eight_bit,
+            "sink_raw": s.sink_raw,
             "require_calibration": s.require_calibration,
             "allow_raw_fallback": s.allow_raw_fallback,
             "max_level": self.policy_config().max_level.tag,  # how far an append that does not fit may compress

@@ -53,13 +53,14 @@ class AppendPlan:
     """Step 1: what an append of ``tokens`` tokens to ``seq`` (None: a new sequence) does, decided before anything
     is touched. Positions: the sequence goes from ``length`` to ``new_length`` tokens; ``fill`` tokens of row
     ``row`` are in the tail before, ``new_fill`` of row ``new_rows`` after; rows ``[row, new_rows)`` are sealed;
-    rows ``[window_done, out_rows)`` leave the window, of which the already sealed unprotected ones (``exits``)
-    are re-encoded at ``fmt``. :meth:`at_level` decides the formats and ``need``, the peak in bytes."""
+    rows ``[window_done, out_rows)`` leave the window, of which the already sealed ones (``exits``; sink rows
+    only if they may be compressed) are re-encoded at their format (:meth:`row_fmt`: ``fmt``, a sink row's
+    ``sink_fmt``). :meth:`at_level` decides the formats and ``need``, the peak in bytes."""
 
     __slots__ = (
         "ns", "key", "seq", "tokens", "position", "sink_rows", "length", "new_length", "fill", "row", "new_fill",
         "new_rows", "out_rows", "window_done", "exits", "tail", "seal_tail", "grow_to", "reuse_tail", "new_tail",
-        "fmt", "recode", "exit_flags", "row_plans", "logged", "need",
+        "sink_top", "fmt", "sink_fmt", "exit_flags", "row_plans", "logged", "need",
     )  # fmt: skip
 
     def __init__(self, store: Appending, ns: Namespace, key: tuple[str, SeqId], seq: Seq | None, tokens: int,
@@ -73,7 +74,9 @@ class AppendPlan:
         self.new_rows, self.new_fill = divmod(self.new_length, p)
         self.out_rows = max(0, self.new_length - store.window_tokens) // p  # rows wholly older than the window
         self.window_done = seq.window_done if seq is not None else 0
-        self.exits = [r for r in range(self.window_done, min(self.row, self.out_rows)) if r >= self.sink_rows]
+        self.sink_top = seq.sink_top if seq is not None else store._sink_top(ns)  # (Seq.sink_top)
+        self.exits = [r for r in range(self.window_done, min(self.row, self.out_rows))
+                      if r >= self.sink_rows or self.sink_top]
         # The hot tail's buffers. Row `row` is sealed from the tail when this append completes it; that needs a
         # whole page, so a smaller tail is first copied into one (`grow_to` P). A tail that keeps its row but must
         # hold more than its capacity grows to the next step. The tail after the append is then that buffer (the
@@ -94,26 +97,32 @@ class AppendPlan:
     def at_level(self, store: Appending) -> None:
         """Decide the formats and the peak need at the store's level in force (again after a squeeze raised it)."""
         ns = self.ns
-        fmt = self.fmt = ns.seal_fmt(store._fmt)
-        self.recode = fmt != RAW and bool(ns.quant_layers)  # leaving the window means re-encoding at the level
+        self.fmt = ns.seal_fmt(store._fmt)
+        self.sink_fmt = store._sink_fmt(ns, store._fmt) if self.sink_top else RAW
         self.exit_flags = sp.FLAG_WINDOW | store._ahead_flag()
-        self.row_plans = [store._row_plan(ns, r, self.out_rows, self.sink_rows)
-                          for r in range(self.row, self.new_rows)]
-        # Protected rows never get compaction; rows sealed at q4 (the top rung) never need it. Decided here, at the
-        # format the rows are sealed at, not at the commit (the level may change in between).
+        self.row_plans = [store._row_plan(self, r) for r in range(self.row, self.new_rows)]
+        # Rows at their top rung (q4; a sink row's: the 8-bit rung, or fp16 when it stays so) never need
+        # compaction. Decided here, at the format the rows are sealed at, not at the commit (the level may change
+        # in between).
+        q = ns.quant_layers
         self.logged = [r for r in range(self.window_done, self.out_rows)
-                       if r >= self.sink_rows and ns.quant_layers and sp.RUNG[fmt] < 2]
+                       if q and sp.RUNG[self.row_fmt(r)] < (self.sink_top if r < self.sink_rows else 2)]
         need = sum(plan.need for plan in self.row_plans) + sp.ROW_META_BYTES * len(self.logged)
         # a row leaving the window is re-encoded: a new record, and the old one may go to the pool, which charges
         # PAGE_META_BYTES on top of its bytes (the page's own metadata moves with the new record)
-        if self.recode:
-            q = ns.quant_layers
-            need += len(self.exits) * (ns.seal_bytes(fmt, q) + len(q) * sp.PAGE_META_BYTES)
+        for r in self.exits if q else ():
+            f = self.row_fmt(r)
+            if f != RAW:
+                need += ns.seal_bytes(f, q) + len(q) * sp.PAGE_META_BYTES
         if self.grow_to:
             need += ns.token_bytes * self.grow_to + sp.TAIL_META_BYTES
         if self.new_tail:
             need += ns.token_bytes * tail_tokens(self.new_fill, store.page_tokens) + sp.TAIL_META_BYTES
         self.need = need + (ns.seq_meta if self.seq is None else 0)
+
+    def row_fmt(self, r: int) -> str:
+        """The format row ``r`` is sealed at once out of the window."""
+        return self.sink_fmt if r < self.sink_rows else self.fmt
 
 
 class Built:
@@ -135,6 +144,8 @@ class Appending:
     page_tokens: int
     window_tokens: int
     sink_tokens: int
+    sink_raw: bool
+    eight_bit: str
     capacity_bytes: int
     _lock: threading.RLock
     _unpinned: threading.Condition
@@ -270,14 +281,17 @@ class Appending:
             self._unpinned.notify_all()  # waiters run once this append has committed (they need the lock)
 
     def _encode_exits(self, plan: AppendPlan, built: Built) -> None:
-        """The sealed rows leaving the window, re-encoded at the plan's format (kept as they are at fp16)."""
+        """The sealed rows leaving the window, re-encoded at their format (kept as they are at fp16)."""
         seq, ns = plan.seq, plan.ns
-        for r in plan.exits if plan.recode else ():
+        for r in plan.exits if ns.quant_layers else ():
+            fmt = plan.row_fmt(r)
+            if fmt == RAW:
+                continue
             assert seq is not None
             for i in ns.quant_layers:
                 old = seq.pages[i][r]
                 kp, vp = sp.decode_record(old, ns.record_sizes(old))
-                rec = self._seal(ns, plan.fmt, kp, vp, i, r, built.taken, plan.exit_flags)
+                rec = self._seal(ns, fmt, kp, vp, i, r, built.taken, plan.exit_flags)
                 built.swaps.append((i, r, rec))
 
     def _commit(self, plan: AppendPlan, built: Built, k16: np.ndarray, v16: np.ndarray) -> Seq:
@@ -285,7 +299,7 @@ class Appending:
         table and the ledger, as the plan decided."""
         ns, led, seq = plan.ns, self._ledger, plan.seq
         if seq is None:
-            seq = Seq(ns, plan.key, plan.position, plan.sink_rows)
+            seq = Seq(ns, plan.key, plan.position, plan.sink_rows, plan.sink_top)
             self._seqs[plan.key] = seq
             ns.sequences += 1
             self._holding[ns.name] = ns
@@ -303,17 +317,19 @@ class Appending:
             self._cal_held_pages += row_plan.held
         q = ns.quant_layers
         if plan.fmt == RAW and self._fmt != RAW and q:  # the namespace's calibration keeps these rows fp16
-            rows = plan.exits + [r for r in range(plan.row, plan.new_rows) if plan.sink_rows <= r < plan.out_rows]
+            rows = [r for r in plan.exits if r >= plan.sink_rows]
+            rows += [r for r in range(plan.row, plan.new_rows) if plan.sink_rows <= r < plan.out_rows]
             self._cal_raw_pages += len(rows) * len(q)
         for r in range(plan.window_done, plan.out_rows) if q else ():  # rows now out of the window, oldest first
-            if r >= plan.sink_rows:
+            if r >= plan.sink_rows or plan.sink_top:
                 # rows out of the window are not yet compacted, so every quantized layer of one holds the same
                 # format (and, unless a calibration protects some layers' heads, the same record size)
                 rec = seq.pages[q[0]][r]
+                backlog = ns.backlog if r >= plan.sink_rows else ns.sink_backlog
                 if ns.mixed:
-                    ns.backlog[sp.current_fmt(rec)] += sum(len(seq.pages[i][r]) for i in q)
+                    backlog[sp.current_fmt(rec)] += sum(len(seq.pages[i][r]) for i in q)
                 else:
-                    ns.backlog[sp.current_fmt(rec)] += len(rec) * len(q)
+                    backlog[sp.current_fmt(rec)] += len(rec) * len(q)
         for r in plan.logged:  # compaction candidates, oldest first
             self._log.add(seq, r)
         seq.nbytes += sp.ROW_META_BYTES * len(plan.logged)
@@ -349,14 +365,25 @@ class Appending:
         """Rows of a sequence starting at prompt ``position`` that hold any of the prompt's sink tokens."""
         return -(-(self.sink_tokens - position) // self.page_tokens) if position < self.sink_tokens else 0
 
-    def _row_plan(self, ns: Namespace, row: int, out_rows: int, sink_rows: int) -> store_seq.RowPlan:
-        """How a row is sealed: raw if protected (sink; in the window, flagged as held there), else at the level
-        in force with raw layers raw."""
-        if row < sink_rows:
+    def _row_plan(self, plan: AppendPlan, row: int) -> store_seq.RowPlan:
+        """How a row is sealed: raw if protected (a sink row that stays fp16; in the window, flagged as held
+        there), else at its format at the level in force (:meth:`AppendPlan.row_fmt`) with raw layers raw."""
+        ns = plan.ns
+        if row < plan.sink_rows and not plan.sink_top:
             return ns.plan(RAW, 0, self._epoch)
-        if row >= out_rows:
+        if row >= plan.out_rows:
             return ns.plan(RAW, sp.FLAG_WINDOW, self._epoch)
-        return ns.plan(ns.seal_fmt(self._fmt), self._ahead_flag(), self._epoch)
+        return ns.plan(plan.row_fmt(row), self._ahead_flag(), self._epoch)
+
+    def _sink_top(self, ns: Namespace) -> int:
+        """The most compact rung of ``ns``'s sink rows: 0 (fp16) with ``sink_raw`` or a calibration in force
+        (whose errors were measured with the sink at fp16), else 1 (the 8-bit rung)."""
+        return 0 if self.sink_raw or (ns.prot is not None and ns.prot.applies) else 1
+
+    def _sink_fmt(self, ns: Namespace, fmt: str) -> str:
+        """The format of ``ns``'s sink rows that may be compressed, out of the window, when the level in force
+        seals at ``fmt``: the level's, or the 8-bit rung's when the level is more compact."""
+        return ns.seal_fmt(self.eight_bit if sp.RUNG[fmt] > 1 else fmt)
 
     def _ahead_flag(self) -> int:
         return sp.FLAG_AHEAD_SEALED if self._ahead is not None and self._fmt != RAW else 0

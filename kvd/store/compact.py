@@ -2,11 +2,12 @@
 does not fit (:meth:`Compaction._squeeze`).
 
 Theory of operation: rows enter the store's compaction log in the order they become eligible (sealed, out of the
-window, not protected), which is their age order. After a level rise, :meth:`Compaction.compact` walks the log
-from its cursor and re-encodes (decode, then encode at the format in force) every page on a lower rung, within a
-byte budget per call, so no request waits for a whole pass. A page moves only up a rung and only if that makes
-it smaller; the old buffer is freed, not pooled, because compaction runs to free memory. Re-encoding an 8-bit
-page to q4 quantizes a second time: its error is q4's plus the 8-bit error it already had.
+window, not protected), which is their age order; a sink row goes no further than the 8-bit rung. After a level
+rise, :meth:`Compaction.compact` walks the log from its cursor and re-encodes (decode, then encode at the format
+in force) every page on a lower rung, within a byte budget per call, so no request waits for a whole pass. A
+page moves only up a rung and only if that makes it smaller; the old buffer is freed, not pooled, because
+compaction runs to free memory. Re-encoding an 8-bit page to q4 quantizes a second time: its error is q4's plus
+the 8-bit error it already had.
 
 *Compress before forgetting.* An append that does not fit first *squeezes* the store: it compacts, oldest first,
 toward the level in force, and when nothing is left to compact there it raises the store's own level one rung
@@ -72,6 +73,8 @@ class Compaction:
 
         def _rung_level(self, rung: int) -> Level: ...
 
+        def _sink_fmt(self, ns: Namespace, fmt: str) -> str: ...
+
     def compact(self, budget_bytes: int) -> int:
         """Re-encode, oldest first, sealed unprotected pages on a lower rung than the level in force, until the
         stored bytes of the pages re-encoded in this call would exceed ``budget_bytes`` (a budget smaller than
@@ -99,9 +102,10 @@ class Compaction:
         log = self._log
         while log.cursor < len(log.entries):
             seq, r = log.entries[log.cursor]
+            sink = r < seq.sink_rows
             for i in seq.ns.quant_layers if seq.alive else ():
                 rec = seq.pages[i][r]
-                if not self._shrinks(seq.ns, sp.current_fmt(rec)):
+                if not self._shrinks(seq.ns, sp.current_fmt(rec), sink):
                     continue
                 if stop(rec):
                     return
@@ -110,7 +114,7 @@ class Compaction:
                     # (that is how it stops being full): one page of transient overshoot, which
                     # used_bytes never shows, and only after the pool is emptied.
                     self._ledger.pool.clear()
-                self._recompress(seq, i, r, rec)
+                self._recompress(seq, i, r, rec, sink)
             log.cursor += 1
 
     def _can_squeeze(self) -> bool:
@@ -144,18 +148,24 @@ class Compaction:
         self._squeezed_bytes += before - led.used
         return self._level is not level
 
-    def _shrinks(self, ns: Namespace, fmt: str) -> bool:
-        """Whether a page of ``fmt`` awaits re-encoding at the level in force (a higher rung, fewer bytes)."""
-        target = ns.seal_fmt(self._fmt)
+    def _target(self, ns: Namespace, sink: bool) -> str:
+        """The format the level in force re-encodes a page of ``ns`` to (a sink row's: ``_sink_fmt``)."""
+        return self._sink_fmt(ns, self._fmt) if sink else ns.seal_fmt(self._fmt)
+
+    def _shrinks(self, ns: Namespace, fmt: str, sink: bool = False) -> bool:
+        """Whether a page of ``fmt`` (of a sink row if ``sink``) awaits re-encoding at the level in force (a
+        higher rung, fewer bytes)."""
+        target = self._target(ns, sink)
         return sp.RUNG[fmt] < sp.RUNG[target] and ns.rec_bytes[target] < ns.rec_bytes[fmt]
 
     def _backlog_bytes(self) -> int:
-        return sum(b for ns in self._holding.values() for fmt, b in ns.backlog.items()
-                   if b and self._shrinks(ns, fmt))
+        return sum(b for ns in self._holding.values()
+                   for backlog, sink in ((ns.backlog, False), (ns.sink_backlog, True))
+                   for fmt, b in backlog.items() if b and self._shrinks(ns, fmt, sink))
 
-    def _recompress(self, seq: Seq, layer: int, row: int, old: bytearray) -> None:
+    def _recompress(self, seq: Seq, layer: int, row: int, old: bytearray, sink: bool) -> None:
         ns = seq.ns
-        fmt = ns.seal_fmt(self._fmt)
+        fmt = self._target(ns, sink)
         kp, vp = sp.decode_record(old, ns.record_sizes(old))
         taken = sp.Taken()
         try:
@@ -166,8 +176,9 @@ class Compaction:
         self._ledger.adopt(taken)
         sp.copy_trailer_recompressed(old, rec, epoch=self._epoch, fmt=fmt, ahead=self._ahead is not None)
         seq.pages[layer][row] = rec
-        ns.backlog[sp.current_fmt(old)] -= len(old)
-        ns.backlog[fmt] += len(rec)
+        backlog = ns.sink_backlog if sink else ns.backlog
+        backlog[sp.current_fmt(old)] -= len(old)
+        backlog[fmt] += len(rec)
         # the old buffer is freed, not pooled: compaction runs to free memory
         seq.nbytes += self._ledger.add_page(rec) - self._ledger.remove_page(old, pool=False)
         self._recompressed_pages += 1

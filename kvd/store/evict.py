@@ -114,8 +114,10 @@ class Eviction:
         ns = seq.ns
         # one pass tallying (format code -> pages, bytes), then one ledger update: the per-page cost of a drop
         off, lo, hi = sp.CUR_FMT_FROM_END, seq.sink_rows, seq.window_done
+        first = 0 if seq.sink_top else lo  # rows [first, hi) are in a backlog: [first, lo) in the sinks'
         tally: dict[int, list[int]] = {}
         backlog: dict[int, int] = {}
+        sink_backlog: dict[int, int] = {}
         give = self._ledger.pool.give_record if pool else None
         for i, recs in enumerate(seq.pages):
             eligible = not ns.raw_layer[i]
@@ -126,12 +128,15 @@ class Eviction:
                     t = tally[code] = [0, 0]
                 t[0] += 1
                 t[1] += size
-                if eligible and lo <= r < hi:
-                    backlog[code] = backlog.get(code, 0) + size
+                if eligible and first <= r < hi:
+                    b = backlog if r >= lo else sink_backlog
+                    b[code] = b.get(code, 0) + size
                 if give is not None:
                     give(rec)
         for code, size in backlog.items():
             ns.backlog[sp.FMT_NAME[code]] -= size
+        for code, size in sink_backlog.items():
+            ns.sink_backlog[sp.FMT_NAME[code]] -= size
         self._ledger.remove_pages({sp.FMT_NAME[c]: (n, b) for c, (n, b) in tally.items()})
         if seq.tail is not None:
             self._ledger.remove_tail(seq.tail, pool=pool)
@@ -139,7 +144,7 @@ class Eviction:
         self._log.forget(seq)  # its log entries go at a later prune (CompactionLog), uncharged from now on
         self._tokens -= seq.length
         ns.sequences -= 1
-        if not ns.sequences and not any(ns.backlog.values()):
+        if not ns.sequences and not any(ns.backlog.values()) and not any(ns.sink_backlog.values()):
             del self._holding[ns.name]  # (a backlog left without pages would stay in sight)
         seq.pages, seq.tail, seq.alive = [], None, False
         self._log.prune()

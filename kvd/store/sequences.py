@@ -150,12 +150,12 @@ class Namespace:
     """A registered layout with its byte sizes: ``page_bytes[fmt] = (key page, value page)``, ``rec_bytes[fmt]``
     (both pages + trailer), ``token_bytes`` (float16 keys and values of one token of every layer: a hot tail's
     bytes per token of capacity), ``row_bytes`` (the same for a row of pages), and the compaction backlog of its
-    sequences."""
+    sequences (``backlog``; ``sink_backlog`` for sink rows, which go no further than the 8-bit rung)."""
 
     __slots__ = (
         "name", "layers", "heads", "head_dim", "page_tokens", "quant_layers", "raw_layer", "raw_heads",
-        "page_bytes", "rec_bytes", "token_bytes", "row_bytes", "seq_meta", "sequences", "backlog", "_plans",
-        "sizes_by_code", "specs", "specs_by_code", "prot", "mixed",
+        "page_bytes", "rec_bytes", "token_bytes", "row_bytes", "seq_meta", "sequences", "backlog", "sink_backlog",
+        "_plans", "sizes_by_code", "specs", "specs_by_code", "prot", "mixed",
     )  # fmt: skip
 
     def __init__(
@@ -200,6 +200,7 @@ class Namespace:
         self.sequences = 0
         # bytes of compaction-eligible records (unprotected, out of the window) by their current format
         self.backlog = dict.fromkeys(pages.LEVELS, 0)
+        self.sink_backlog = dict.fromkeys(pages.LEVELS, 0)  # the same for sink rows that may be compressed
         self._plans: dict[tuple[str, int, int], RowPlan] = {}
         self.prot: Protection | None = None  # the calibration's effect (kvd.store.calibrated)
         self.mixed = False  # records may differ in size within a format: sizes come from their page headers
@@ -246,14 +247,16 @@ class Namespace:
 class Seq:
     """One sequence's page table (see the module docstring). ``nbytes`` is everything it accounts for."""
 
-    __slots__ = ("ns", "key", "position", "sink_rows", "length", "pages", "tail", "window_done", "nbytes", "alive",
-                 "logged")
+    __slots__ = ("ns", "key", "position", "sink_rows", "sink_top", "length", "pages", "tail", "window_done",
+                 "nbytes", "alive", "logged")
 
-    def __init__(self, ns: Namespace, key: tuple[str, SeqId], position: int = 0, sink_rows: int = 0) -> None:
+    def __init__(self, ns: Namespace, key: tuple[str, SeqId], position: int = 0, sink_rows: int = 0,
+                 sink_top: int = 0) -> None:
         self.ns = ns
         self.key = key
         self.position = position  # where token 0 sits in its prompt (Store.append's ``position``)
-        self.sink_rows = sink_rows  # rows [0, sink_rows) hold some of the prompt's sink tokens: kept fp16
+        self.sink_rows = sink_rows  # rows [0, sink_rows) hold some of the prompt's sink tokens (Store.sink_raw)
+        self.sink_top = sink_top  # their most compact rung (0: fp16), fixed when the sequence enters memory
         self.length = 0
         self.pages: list[list[bytearray]] = [[] for _ in range(ns.layers)]
         self.tail: np.ndarray | None = None
@@ -490,6 +493,8 @@ def explain(seq: Seq, layer: object, token: object, p: int) -> dict[str, Any]:
         reasons.append("raw layer")
     if r < sink_rows:
         reasons.append("sink")
+        if seq.sink_top:
+            reasons.append("a sink page goes no further than the 8-bit rung")
     if not sealed:
         if ns.prot is not None:
             reasons += ns.prot.reasons(None, RAW)
@@ -498,7 +503,7 @@ def explain(seq: Seq, layer: object, token: object, p: int) -> dict[str, Any]:
         reasons.append("window")
     se, e1, e2, sf, f1, f2, cur, flags = sp.read_trailer(seq.pages[i][r])
     info.update(level=sp.FMT_NAME[cur], sealed_level=sp.FMT_NAME[sf], sealed_epoch=se)
-    if r < seq.window_done and r >= sink_rows and not ns.raw_layer[i]:
+    if r < seq.window_done and (r >= sink_rows or seq.sink_top) and not ns.raw_layer[i]:
         if flags & sp.FLAG_WINDOW:
             reasons.append("kept fp16 in the window until it aged out")
         reasons.append(f"sealed at level {sp.FMT_NAME[sf]} (epoch {se}){_ahead(flags & sp.FLAG_AHEAD_SEALED)}")

@@ -74,6 +74,7 @@ class Spilling:
     _squeeze: Callable[[int], bool]
     _make_room: Callable[..., None]
     _remove: Callable[..., None]
+    _sink_top: Callable[[Namespace], int]
     register: Callable[..., None]
 
     # ------------------------------------------------------------------------------------------ recovery
@@ -220,7 +221,8 @@ class Spilling:
         h = entry.header
         record_bytes = sum(len(r) for layer in recs for r in layer)
         pages_n = sum(len(layer) for layer in recs)
-        rows = [r for r in range(h.sink_rows, h.window_done)]
+        sink_top = self._sink_top(ns)
+        rows = list(range(0 if sink_top else h.sink_rows, h.window_done))  # in a backlog (Seq.sink_top)
         need = record_bytes + sp.PAGE_META_BYTES * pages_n + ns.seq_meta + sp.ROW_META_BYTES * len(rows)
         tail_shape = ns.tail_shape(tail.shape[2]) if tail is not None else None  # a tail of its size, as appends
         need += ns.token_bytes * tail_shape[2] + sp.TAIL_META_BYTES if tail_shape is not None else 0
@@ -235,7 +237,7 @@ class Spilling:
             self._make_room(need, key)
         disk.remove(key)  # (if the full disk forgot it meanwhile, the records read are still here)
         self._promotions += 1
-        seq = Seq(ns, key, h.position, h.sink_rows)
+        seq = Seq(ns, key, h.position, h.sink_rows, sink_top)
         seq.pages = [list(layer) for layer in recs]
         seq.length, seq.window_done = h.length, h.window_done
         led = self._ledger
@@ -251,10 +253,11 @@ class Spilling:
             seq.nbytes += led.add_tail(arr)
         q = ns.quant_layers
         for r in rows:  # as Store._append counts rows leaving the window (kvd.store.core)
+            backlog, top = (ns.backlog, 2) if r >= h.sink_rows else (ns.sink_backlog, sink_top)
             for i in q:
                 rec = seq.pages[i][r]
-                ns.backlog[sp.current_fmt(rec)] += len(rec)
-            if q and sp.RUNG[sp.current_fmt(seq.pages[q[0]][r])] < 2:
+                backlog[sp.current_fmt(rec)] += len(rec)
+            if q and sp.RUNG[sp.current_fmt(seq.pages[q[0]][r])] < top:
                 self._log.add(seq, r)
                 seq.nbytes += sp.ROW_META_BYTES
                 led.meta_bytes += sp.ROW_META_BYTES

@@ -569,10 +569,10 @@ def test_an_append_states_its_prompt_position_so_a_block_gets_no_sink_page(q4_sh
     k, v = kv(tokens=130)
     with Client(q4_shard.endpoint, timeout_s=10) as c:
         c.register("blocks", **LAYOUT)
-        c.append("blocks", "first", k[:, :128], v[:, :128])  # a prompt's first block: its sinks stay fp16
+        c.append("blocks", "first", k[:, :128], v[:, :128])  # a prompt's first block: its sinks stay at 8 bits
         c.append("blocks", "second", k[:, :128], v[:, :128], position=128, offset=0)
         first, second = c.explain("blocks", "first", 0, 0), c.explain("blocks", "second", 0, 0)
-        assert first["level"] == "fp16" and "sink" in first["reasons"]
+        assert first["level"] == "q8" and "sink" in first["reasons"]
         assert second["level"] == "q4" and "sink" not in second["reasons"]
         with pytest.raises(InvalidArgument, match="starts at prompt position 128, not 0"):
             c.append("blocks", "second", k[:, 128:], v[:, 128:], position=0)

@@ -81,11 +81,11 @@ def test_spilled_pages_are_stored_at_their_level(tmp_path):
     fill(s, 30)
     s.flush()
     st = s.stats()
-    assert st["disk_bytes_by_level"].keys() <= {"fp16", "q4"} and st["disk_bytes_by_level"]["q4"] > 0
+    assert st["disk_bytes_by_level"].keys() <= {"q8", "q4"} and st["disk_bytes_by_level"]["q4"] > 0
     on_disk = [i for i in range(30) if s.explain(NS, i, 1, 40)["reasons"][0].startswith("on disk")]
     assert on_disk and s.explain(NS, on_disk[0], 1, 40)["level"] == "q4"
     first = s.explain(NS, on_disk[0], 0, 0)
-    assert first["level"] == "fp16" and "sink" in first["reasons"]
+    assert first["level"] == "q8" and "sink" in first["reasons"]  # the sink page: 8 bits at most
     s.close(persist=False)
 
 
@@ -328,3 +328,23 @@ def test_a_store_reports_every_disk_key_the_status_view_reads(tmp_path):
     assert set(DISK) <= set(stats)
     assert all(type(stats[k]) is type(v) for k, v in DISK.items()), [k for k, v in DISK.items()
                                                                       if type(stats[k]) is not type(v)]
+
+
+def test_a_sink_row_spilled_at_fp16_and_taken_back_is_compacted_to_the_8_bit_rung_and_no_further(tmp_path):
+    s = make(str(tmp_path), max_level="fp16")  # full at fp16: it spills instead of compressing
+    fill(s, 30)
+    s.flush()
+    victim = next(i for i in range(30) if s.explain(NS, i, 0, 1)["reasons"][0].startswith("on disk"))
+    assert s.explain(NS, victim, 0, 1)["level"] == "fp16"
+    s.append(NS, victim, *kv(2, 999))  # taken back into memory
+    assert "on disk" not in s.explain(NS, victim, 0, 1)["reasons"][0]
+    s.set_level("q4", 1)
+    s.compact(1 << 30)
+    assert s.stats()["compaction_backlog_bytes"] == 0
+    levels = [s.explain(NS, victim, 0, r * P)["level"] for r in range(4)]
+    assert levels == ["q8", "q4", "q4", "q4"]
+    ns = s._ns[NS]
+    for i in range(30):
+        s.drop(NS, i)
+    assert not any(ns.backlog.values()) and not any(ns.sink_backlog.values())
+    s.close(persist=False)

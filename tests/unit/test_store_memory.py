@@ -11,7 +11,7 @@ import pytest
 
 from kvd.codec import batch as page_batch
 from kvd.codec import kernels, pages
-from kvd.errors import NonFiniteError, OutOfMemory, UnknownSequence
+from kvd.errors import ConfigError, NonFiniteError, OutOfMemory, UnknownSequence
 from kvd.store import Store
 from kvd.store import pool as sp
 from kvd.store import sequences as store_seq
@@ -46,14 +46,16 @@ def record_bytes(fmt: str) -> int:
     return pages.nbytes(fmt, P, H, D, role="key") + pages.nbytes(fmt, P, H, D, role="value") + sp.TRAILER_BYTES
 
 
-def seq_bytes(length: int, fmt: str, sink_rows: int = 1) -> int:
-    """What a sequence must account for: its pages, tail and the stated metadata charges."""
+def seq_bytes(length: int, fmt: str, sink_rows: int = 1, sink_raw: bool = False) -> int:
+    """What a sequence must account for: its pages, tail and the stated metadata charges. A sink row is sealed
+    no further than q8 (fp16 with ``sink_raw``)."""
     rows = length // P
     total = SEQ_META + tail_bytes(length % P)
     for r in range(rows):
-        f = "fp16" if r < sink_rows else fmt
+        sink = r < sink_rows
+        f = ("fp16" if sink_raw else "q8" if fmt == "q4" else fmt) if sink else fmt
         total += L * (record_bytes(f) + sp.PAGE_META_BYTES)
-        if r >= sink_rows and fmt != "q4":
+        if f != ("fp16" if sink_raw else "q8" if sink else "q4"):  # its top rung: no compaction left
             total += sp.ROW_META_BYTES  # one compaction-log entry per row that may need re-compression
     return total
 
@@ -80,7 +82,8 @@ def test_used_bytes_is_every_buffer_plus_the_stated_metadata(fmt: str) -> None:
         for _, t0, kp, vp in s.get_pages(NS, sid):
             if t0 + P <= n:
                 from_pages += len(kp) + len(vp) + sp.TRAILER_BYTES + sp.PAGE_META_BYTES
-        from_pages += sp.ROW_META_BYTES * (max(0, n // P - 1) if fmt != "q4" else 0)
+        # logged: the rows that may be compressed further (q4 is the top rung; a sink row's is q8)
+        from_pages += sp.ROW_META_BYTES * ((max(0, n // P - 1) if fmt != "q4" else 0) + (fmt == "fp16" and n >= P))
     assert from_pages == st["used_bytes"]
     assert sum(st["bytes_by_level"].values()) == st["page_bytes"]
     assert sum(st["pages_by_level"].values()) == L * sum(n // P for n in lengths.values())
@@ -297,7 +300,7 @@ def test_forgetting_a_sequence_costs_what_it_logged_however_many_are_kept() -> N
             scanned[0] += before if gone else 0
             return gone
 
-    kept, t = 100, 4 * P  # rows 1-3 of each sequence are logged (row 0 holds the sinks)
+    kept, t = 100, 4 * P  # rows 0-3 of each sequence are logged (row 0, the sinks' row, may go to q8)
     cap = NS_META + kept * seq_bytes(t, "fp16")
     s = store(cap, max_level="fp16")
     s._log = CountingLog()
@@ -307,7 +310,7 @@ def test_forgetting_a_sequence_costs_what_it_logged_however_many_are_kept() -> N
         assert s.stats()["used_bytes"] <= cap
     st = s.stats()
     assert st["evictions"] >= kept and st["sequences"] >= kept - 2
-    assert added[0] == 3 * 3 * kept
+    assert added[0] == 4 * 3 * kept
     assert scanned[0] <= 3 * added[0], (scanned[0], added[0])  # amortized: each entry is looked at a few times
 
 
@@ -315,7 +318,7 @@ def test_forgetting_a_sequence_costs_what_it_logged_however_many_are_kept() -> N
 
 
 def test_compaction_respects_its_budget_and_frees_memory() -> None:
-    s = store()
+    s = store(sink_raw=True)  # (sink rows: test_a_sink_row_is_compacted_to_the_8_bit_rung_and_no_further)
     for i in range(3):
         s.append(NS, i, *kv(64 * 6 + 10, seed=i))
     assert s.stats()["compaction_backlog_bytes"] == 0  # nothing to do at fp16
@@ -342,7 +345,7 @@ def test_compaction_respects_its_budget_and_frees_memory() -> None:
 
 
 def test_compaction_goes_oldest_first_and_only_up() -> None:
-    s = store(layers=1)
+    s = store(layers=1, sink_raw=True)
     s.append(NS, "old", *kv(64 * 4, seed=1, layers=1))
     s.append(NS, "new", *kv(64 * 4, seed=2, layers=1))
     s.append(NS, "old", *kv(64, seed=3, layers=1))  # sealed last: the newest page
@@ -367,7 +370,7 @@ def test_compaction_goes_oldest_first_and_only_up() -> None:
 
 
 def test_compaction_after_drops_and_evictions_skips_the_dead() -> None:
-    s = store()
+    s = store(sink_raw=True)
     for i in range(6):
         s.append(NS, i, *kv(64 * 3, seed=i))
     for i in range(0, 6, 2):
@@ -495,11 +498,11 @@ def test_used_by_rung_recounts_the_data_at_each_rung() -> None:
         for i, (k, v) in seqs.items():
             s.append(NS, i, k, v)
         stores[level] = s
-    rows = 4 * 4
     for rung, level in enumerate(("fp16", "q8", "q4")):
         want = stores[level].stats()["used_bytes"]
         got = stores["q4"].used_by_rung()[rung]
-        logged = rows * sp.ROW_META_BYTES if level != "q4" else 0  # rows sealed at q4 are never logged
+        # rows at their top rung are never logged: at q4 none is; at q8, the sink rows (q8 is theirs)
+        logged = {"fp16": 4 * 5, "q8": 4 * 4, "q4": 0}[level] * sp.ROW_META_BYTES
         assert got + logged == want, (level, got, want)
     assert stores["fp16"].used_by_rung() == (stores["fp16"].stats()["used_bytes"],) * 3
 
@@ -618,7 +621,7 @@ def test_a_failure_while_pages_leave_the_window_changes_nothing(monkeypatch) -> 
 
 
 def test_a_failure_during_compaction_leaves_the_page_as_it_was(monkeypatch) -> None:
-    s = store()
+    s = store(sink_raw=True)  # the first page compacted is then a q4 one
     s.append(NS, 1, *kv(64 * 4))
     s.set_level("q4", 1)
     before = snapshot(s)
@@ -630,3 +633,39 @@ def test_a_failure_during_compaction_leaves_the_page_as_it_was(monkeypatch) -> N
     np.testing.assert_array_equal(s.get(NS, 1)[0].view(np.uint16), got[0].view(np.uint16))
     monkeypatch.undo()
     assert s.compact(1 << 30) > 0 and s.stats()["compaction_backlog_bytes"] == 0
+
+
+def test_a_sink_row_is_compacted_to_the_8_bit_rung_and_no_further() -> None:
+    s = store()
+    for i in range(3):
+        s.append(NS, i, *kv(64 * 3 + 10, seed=i))
+    s.set_level("q4", 1)
+    fp16_rec, q8_rec, q4_rec = record_bytes("fp16"), record_bytes("q8"), record_bytes("q4")
+    assert s.stats()["compaction_backlog_bytes"] == 3 * L * 3 * fp16_rec  # the sink rows too
+    before = s.stats()["used_bytes"]
+    assert s.compact(1 << 30) == before - s.stats()["used_bytes"]
+    st = s.stats()
+    assert st["pages_by_level"] == {"q8": 3 * L, "q4": 3 * L * 2}
+    assert st["compaction_backlog_bytes"] == 0
+    assert before - st["used_bytes"] == 3 * L * ((fp16_rec - q8_rec) + 2 * (fp16_rec - q4_rec))
+    # what the data would take at fp16 counts the sink pages at fp16 again
+    assert s.used_by_rung()[0] - st["used_bytes"] == 3 * L * (3 * fp16_rec - q8_rec - 2 * q4_rec)
+    s.set_level("fp16", 2)
+    s.set_level("q4", 3)
+    assert s.stats()["compaction_backlog_bytes"] == 0 and s.compact(1 << 30) == 0
+    ns = s._ns[NS]
+    for i in range(3):
+        s.drop(NS, i)
+    assert not any(ns.backlog.values()) and not any(ns.sink_backlog.values())
+    assert NS not in s._holding
+
+
+def test_sink_raw_keeps_the_sink_rows_fp16_and_out_of_compaction() -> None:
+    s = store(sink_raw=True)
+    s.append(NS, 1, *kv(64 * 3, seed=1))
+    s.set_level("q4", 1)
+    s.compact(1 << 30)
+    assert s.stats()["pages_by_level"] == {"fp16": L, "q4": 2 * L}
+    assert s.stats()["sink_raw"] is True
+    with pytest.raises(ConfigError, match="sink_raw"):
+        Store(MiB, sink_raw=1)

@@ -46,6 +46,7 @@ class StoreModel(RuleBasedStateMachine):
     @initialize(
         page_tokens=st.sampled_from([2, 4, 8]),
         sink=st.sampled_from([0, 1, 5]),
+        sink_raw=st.booleans(),
         window=st.sampled_from([0, 3, 8]),
         raw_layers=st.sampled_from([(), (1,)]),
         raw_heads=st.sampled_from([(), (1,)]),
@@ -53,13 +54,15 @@ class StoreModel(RuleBasedStateMachine):
         capacity=st.sampled_from([6_000, 12_000, 64_000]),
         max_level=st.sampled_from(["fp16", "q8", "q4"]),
     )
-    def setup(self, page_tokens, sink, window, raw_layers, raw_heads, eight_bit, capacity, max_level) -> None:
-        self.p, self.sink, self.window = page_tokens, sink, window
+    def setup(self, page_tokens, sink, sink_raw, window, raw_layers, raw_heads, eight_bit, capacity,
+              max_level) -> None:
+        self.p, self.sink, self.sink_raw, self.window = page_tokens, sink, sink_raw, window
         self.raw_layers, self.raw_heads = raw_layers, raw_heads
         self.store = Store(
             capacity,
             page_tokens=page_tokens,
             sink_tokens=sink,
+            sink_raw=sink_raw,
             window_tokens=window,
             raw_layers=raw_layers,
             raw_heads=raw_heads,
@@ -155,7 +158,10 @@ class StoreModel(RuleBasedStateMachine):
         assert n2 == n
         fmts = self.row_fmt.setdefault(sid, [])
         while len(fmts) < self.out_rows(n):
-            fmts.append(self.store.format_for(self.in_force()))
+            fmt = self.store.format_for(self.in_force())
+            if len(fmts) * self.p < self.sink and RUNG[fmt] > 1:  # a sink row: the 8-bit rung at most
+                fmt = self.store.eight_bit
+            fmts.append(fmt)
         self.touch(sid)
 
     @precondition(lambda self: self.data)
@@ -206,12 +212,13 @@ class StoreModel(RuleBasedStateMachine):
             for r in range(-(-n // p)):
                 info = self.store.explain(NS, sid, layer, r * p)
                 reasons = info["reasons"]
-                protected = r >= sealed or layer in self.raw_layers or r * p < self.sink or r >= out
+                sink = r * p < self.sink
+                assert ("sink" in reasons) == sink
+                protected = r >= sealed or layer in self.raw_layers or (sink and self.sink_raw) or r >= out
                 if protected:
                     assert info["level"] == "fp16", info
                     assert ("hot tail" in reasons) == (r >= sealed)
                     assert ("raw layer" in reasons) == (layer in self.raw_layers)
-                    assert ("sink" in reasons) == (r * p < self.sink)
                     assert ("window" in reasons) == (sealed > r >= out)
                     continue  # bit-exact: ek/ev already hold the model's data
                 sealed_fmt = info["sealed_level"]
@@ -219,9 +226,13 @@ class StoreModel(RuleBasedStateMachine):
                 chain = [sealed_fmt]
                 for fmt, ep in info["recompressed"]:
                     assert RUNG[fmt] > RUNG[chain[-1]], info
-                    assert ep in self.fmt_epochs.get(fmt, set()), (info, self.fmt_epochs)
+                    in_force = set(self.fmt_epochs.get(fmt, set()))
+                    if sink and fmt == self.store.eight_bit:  # re-encoded toward q4, capped
+                        in_force |= self.fmt_epochs.get("q4", set())
+                    assert ep in in_force, (info, self.fmt_epochs)
                     chain.append(fmt)
                 assert info["level"] == chain[-1]
+                assert not sink or RUNG[chain[-1]] <= 1, info  # a sink page goes no further than 8 bits
                 for role, src, dst in (("key", mk, ek), ("value", mv, ev)):
                     x = src[layer, r * p : (r + 1) * p]
                     y = roundtrip(x, chain, role, self.raw_heads)
