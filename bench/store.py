@@ -15,10 +15,11 @@
    growing capacity (an append must cost the same however many sequences are kept), and decode-step
    appends: one token of every layer at a time, median and mean us per append.
 2. Tokens held per GiB at each level relative to fp16, for 4,096-token sequences with the default settings
-   (sink page at the 8-bit rung at most, no window): the ratio of used_bytes at fp16 to used_bytes at the level (metadata and page
-   headers included on both sides), and against the raw fp16 bytes of the tokens. Then a prompt stored one
-   128-token block per sequence (what the vLLM connector does): every block at position 0, as before protocol
-   1.3 (each block's first page kept as a sink page), against each block at its prompt position.
+   (sink page one rung less compact, no window): the ratio of used_bytes at fp16 to used_bytes at the level
+   (metadata and page headers included on both sides), and against the raw fp16 bytes of the tokens. Then a
+   prompt stored one 128-token block per sequence (what the vLLM connector does): every block at position 0, as
+   before protocol 1.3 (each block's first page kept as a sink page), against each block at its prompt
+   position.
 3. Re-compression (compact) from fp16 to q4: GB/s of stored fp16 pages re-encoded.
 5. The hot tail (``--only tail``): bytes held by a sequence of 1, 16 and 63 tokens (used_bytes of a store holding
    only it, less the namespace's charge), decode-step appends (one token, median and mean us, the mean carrying
@@ -27,7 +28,7 @@
    DIR (built: a copy of a checkout's ``kvd/`` with its compiled modules) in alternating subprocesses, and
    gives each figure's ratio to it.
 4. Attention error of the real sample read back through the store, sink and window on and off (sink 4: the
-   default, the sink page at the 8-bit rung at most; sink 4 fp16: ``sink_raw``):
+   default, the sink page one rung less compact; sink 4 fp16: ``sink_raw``):
    eps_O = ||softmax(q K^T / sqrt(d)) V - O|| / ||O||, causal, grouped-query (9 query heads share 3 KV heads),
    the last 256 queries, O from the unquantized keys (post-RoPE) and values; mean and worst over 30 layers.
 """

@@ -140,9 +140,10 @@ class StoreSettings:
     sink_tokens: int | None = _setting(
         None,
         optional(integer_in(0)),
-        "first tokens per sequence, attention sinks, kept at the 8-bit rung or above (default: the store's)",
+        "first tokens per sequence, attention sinks, kept one level less compact: fp16, 8-bit at q4 (default: the "
+        "store's)",
     )
-    sink_raw: bool = _setting(False, boolean, "keep the sink tokens' pages at fp16 at every level")
+    sink_raw: bool = _setting(False, boolean, "keep the sink tokens' pages at fp16 at q4 too")
     raw_layers: tuple[int, ...] = _setting((), int_tuple, "layers never quantized, e.g. [0, 31]")
     raw_heads: tuple[int, ...] = _setting((), int_tuple, "KV heads never quantized")
     require_calibration: bool = _setting(

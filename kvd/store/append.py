@@ -377,13 +377,13 @@ class Appending:
 
     def _sink_top(self, ns: Namespace) -> int:
         """The most compact rung of ``ns``'s sink rows: 0 (fp16) with ``sink_raw`` or a calibration in force
-        (whose errors were measured with the sink at fp16), else 1 (the 8-bit rung)."""
+        (whose errors were measured with the sink at fp16), else 1 (the 8-bit rung, at q4: :meth:`_sink_fmt`)."""
         return 0 if self.sink_raw or (ns.prot is not None and ns.prot.applies) else 1
 
     def _sink_fmt(self, ns: Namespace, fmt: str) -> str:
         """The format of ``ns``'s sink rows that may be compressed, out of the window, when the level in force
-        seals at ``fmt``: the level's, or the 8-bit rung's when the level is more compact."""
-        return ns.seal_fmt(self.eight_bit if sp.RUNG[fmt] > 1 else fmt)
+        seals at ``fmt``: one rung less compact, fp16 up to the 8-bit rung and the 8-bit rung at q4."""
+        return ns.seal_fmt(self.eight_bit) if sp.RUNG[fmt] > 1 else RAW
 
     def _ahead_flag(self) -> int:
         return sp.FLAG_AHEAD_SEALED if self._ahead is not None and self._fmt != RAW else 0

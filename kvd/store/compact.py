@@ -2,7 +2,7 @@
 does not fit (:meth:`Compaction._squeeze`).
 
 Theory of operation: rows enter the store's compaction log in the order they become eligible (sealed, out of the
-window, not protected), which is their age order; a sink row goes no further than the 8-bit rung. After a level
+window, not protected), which is their age order; a sink row only to the 8-bit rung, at q4. After a level
 rise, :meth:`Compaction.compact` walks the log from its cursor and re-encodes (decode, then encode at the format
 in force) every page on a lower rung, within a byte budget per call, so no request waits for a whole pass. A
 page moves only up a rung and only if that makes it smaller; the old buffer is freed, not pooled, because

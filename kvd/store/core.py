@@ -17,18 +17,18 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
   unless protected: a page of a ``raw_layers`` layer, or a page still inside the last ``window_tokens``
   tokens, stays fp16; ``raw_heads`` stay fp16 inside quantized pages. A page holding any of the prompt's first
   ``sink_tokens`` tokens (a sequence's token 0 is at prompt position ``position``, given when it is created,
-  default 0) goes no further than the 8-bit rung: at q4 it is sealed at ``eight_bit`` (``sink_raw``, or a
-  namespace's calibration, keeps it fp16). A window page is encoded at the level in force when its last token
-  leaves the window.
+  default 0) is kept one rung less compact than the level: fp16, and ``eight_bit`` at q4 (``sink_raw``, or a
+  namespace's calibration, keeps it fp16 at q4 too). A window page is encoded at the level in force when its
+  last token leaves the window.
 * **Levels.** ``Level.FP16`` seals fp16 pages, ``Level.Q8`` and ``Level.FP8`` both mean the 8-bit rung and seal
   at the store's ``eight_bit`` format (``Level.FP8`` while ``eight_bit == "q8"`` seals ``fp8_e4m3``: the order
   asked for a float format), ``Level.Q4`` seals q4. Orders carry epochs; an older epoch is ignored.
 * **Compaction.** Rows become compaction candidates, in a log, in the order they become eligible (sealed out of
-  the window and not protected; a sink row only toward the 8-bit rung): the log order is the age order. After a
-  level rise, :meth:`Store.compact` walks the log from the oldest row and re-encodes (decode, then encode at the
-  new format) every page on a lower rung, within a byte budget per call. Re-encoding an 8-bit page to q4
-  quantizes a second time, so its error is that of q4 plus the 8-bit error it already had. Level drops only
-  change new pages.
+  the window and not protected; a sink row only toward the 8-bit rung, at q4): the log order is the age order.
+  After a level rise, :meth:`Store.compact` walks the log from the oldest row and re-encodes (decode, then
+  encode at the new format) every page on a lower rung, within a byte budget per call. Re-encoding an 8-bit page
+  to q4 quantizes a second time, so its error is that of q4 plus the 8-bit error it already had. Level drops
+  only change new pages.
 * **Accounting.** ``used_bytes`` = every record's length + every hot tail's size + the pool's free buffers
   + stated metadata charges (:mod:`kvd.store.pool`: per page, per logged row, per sequence and layer, per
   namespace; a forgotten sequence's log entries stop counting at once and are freed at a later prune, never
@@ -56,9 +56,9 @@ tokens, so they share the page boundaries: page *row* ``r`` holds tokens ``[r*P,
 
 Defaults, measured (bench/store.py; module docstring of kvd.pages for the codec):
 ``page_tokens=64`` matches the q8 key group of 64 tokens (8.25 bits per value; with 32 the format costs 8.5
-bits and caps the gain at 1.88x); ``sink_tokens=4`` keeps the first page at fp16 or 8 bits, which on the real
-sample takes the q8 attention error from 1.07% to 0.90% and q4 from 8.78% to 7.98% (7.95% with the sink page
-fp16, ``sink_raw``, for 3.3x its extra bytes), for one less compact page per (sequence, layer);
+bits and caps the gain at 1.88x); ``sink_tokens=4`` keeps the first page one rung less compact, which on the real
+sample takes the q8 attention error from 1.07% to 0.90% (the page fp16) and q4 from 8.78% to 7.98% (the page
+8-bit; 7.95% fp16, ``sink_raw``, for 3.3x its extra bytes), for one less compact page per (sequence, layer);
 ``window_tokens=0`` because the hot tail already is a full-precision window of the last 0..P-1 tokens, and a real
 window costs too much memory for its gain: 128 tokens take the q8 error to 0.68% (with the sink) but add two fp16
 pages per (sequence, layer), which caps q8 at 1.85x for 4,096-token sequences, under the 1.9x target.
@@ -144,7 +144,7 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
 
     ``capacity_bytes`` bounds ``used_bytes`` (payload and metadata). Options (keyword-only):
     ``page_tokens`` (P, default 64), ``window_tokens`` (default 0), ``sink_tokens`` (default 4), ``sink_raw``
-    (the sink pages stay fp16 at every level; default: no further than the 8-bit rung),
+    (the sink pages stay fp16 at every level; default: fp16, and 8-bit at q4),
     ``raw_layers`` / ``raw_heads`` (indices kept fp16 in every namespace; registering a layout they do not
     fit is refused), ``eviction`` (``"lru"`` or ``"none"``), ``eviction_order`` (``"prefix"``: what no lookup
     can reach first, then chain tails (stale ones, then the deepest in their prompt), then least recently
@@ -301,10 +301,11 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
                 target = self.format_for(self._rung_level(rung))
                 extra = 0
                 for ns in self._holding.values():
-                    for backlog in (ns.backlog, ns.sink_backlog):  # (a sink page is never past the 8-bit rung)
+                    sink_target = self._sink_fmt(ns, target)  # (a sink page is one rung less compact)
+                    for backlog, to in ((ns.backlog, target), (ns.sink_backlog, sink_target)):
                         for fmt, b in backlog.items():
-                            if b and sp.RUNG[fmt] > rung:
-                                extra += b // ns.rec_bytes[fmt] * ns.rec_bytes[target] - b
+                            if b and sp.RUNG[fmt] > sp.RUNG[to]:
+                                extra += b // ns.rec_bytes[fmt] * ns.rec_bytes[to] - b
                 out.append(used + extra)
             return out[0], out[1], out[2]
 

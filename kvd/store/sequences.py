@@ -494,7 +494,7 @@ def explain(seq: Seq, layer: object, token: object, p: int) -> dict[str, Any]:
     if r < sink_rows:
         reasons.append("sink")
         if seq.sink_top:
-            reasons.append("a sink page goes no further than the 8-bit rung")
+            reasons.append("a sink page is kept one rung less compact than the level: fp16, 8 bits at q4")
     if not sealed:
         if ns.prot is not None:
             reasons += ns.prot.reasons(None, RAW)

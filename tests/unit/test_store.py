@@ -259,7 +259,7 @@ def test_levels_seal_the_documented_formats(eight_bit: str, expect: dict[str, st
         assert s.set_level(Level.from_tag(tag) if epoch % 2 else tag, epoch)
         assert s.stats()["level"] == tag and s.stats()["format"] == fmt
         s.append(NS, tag, k, v)
-        sink = expect["q8"] if tag == "q4" else fmt  # the first page is the sink: the 8-bit rung at most
+        sink = expect["q8"] if tag == "q4" else "fp16"  # the first page is the sink: one rung less compact
         assert page_formats(s, tag) == [sink, fmt]
         assert s.explain(NS, tag, 0, 100)["level"] == fmt
 
@@ -322,7 +322,8 @@ def test_sink_page_is_the_8_bit_codec_or_bit_exact_and_the_hot_tail_bit_exact_at
     if sink_raw:
         assert reasons == ["sink"]
     else:
-        assert reasons[:2] == ["sink", "a sink page goes no further than the 8-bit rung"]
+        kept = "a sink page is kept one rung less compact than the level: fp16, 8 bits at q4"
+        assert reasons[:2] == ["sink", kept]
         assert "sealed at level q8 (epoch 1)" in reasons
     assert s.explain(NS, 1, 1, 200)["reasons"] == ["hot tail"]
 
@@ -777,7 +778,7 @@ def sample() -> dict[str, np.ndarray]:
         }
 
 
-# Mean attention error targets on this sample with the default store (sink page at 8 bits at most): BENCHMARKS.md.
+# Mean attention error targets on this sample with the default store (sink page one rung less): BENCHMARKS.md.
 TARGETS = {"fp16": 0.0, "q8": 0.013, "fp8": 0.05, "q4": 0.09}
 
 
@@ -793,8 +794,8 @@ def test_real_kv_through_the_store_at_each_level(sample: dict[str, np.ndarray], 
         s.append(NS, "doc", k[:, a:b], v[:, a:b])
     gk, gv = s.get(NS, "doc")
     fmt = s.format_for(level)
-    sink = fmt if level != "q4" else "q8"
-    for layer in (0, 13, n_layers - 1):  # every page is exactly the codec's page; the sink page 8-bit at most
+    sink = "fp16" if level != "q4" else "q8"
+    for layer in (0, 13, n_layers - 1):  # every page is exactly the codec's page; the sink page one rung less
         for r in range(t // 64):
             chain = [sink] if r == 0 else [fmt]
             sl = slice(64 * r, 64 * r + 64)

@@ -49,13 +49,13 @@ def store(**opts) -> Store:
 
 
 def expected(x: np.ndarray, layer: int, role: str, fmt: str, protect: list | None) -> np.ndarray:
-    """x [T, H, D] of one layer as the store gives it back: the sink page raw under a calibration in force, else
-    at fmt or the 8-bit rung if fmt is q4; full pages at fmt with the calibration's heads, the rest (hot tail)
+    """x [T, H, D] of one layer as the store gives it back: the sink page raw, or q8 at q4 without a calibration
+    in force; full pages at fmt with the calibration's heads, the rest (hot tail)
     raw."""
     out = x.copy()
     if protect is None and x.shape[0] >= P:
-        sink = "q8" if fmt == "q4" else fmt
-        out[:P] = pages.decode(pages.encode(x[:P], sink, role=role)) if sink != "fp16" else x[:P]
+        if fmt == "q4":
+            out[:P] = pages.decode(pages.encode(x[:P], "q8", role=role))
     for a in range(P, x.shape[0] - x.shape[0] % P, P):
         kw = {}
         if protect is not None:

@@ -46,16 +46,16 @@ def record_bytes(fmt: str) -> int:
     return pages.nbytes(fmt, P, H, D, role="key") + pages.nbytes(fmt, P, H, D, role="value") + sp.TRAILER_BYTES
 
 
-def seq_bytes(length: int, fmt: str, sink_rows: int = 1, sink_raw: bool = False) -> int:
+def seq_bytes(length: int, fmt: str, sink_rows: int = 1) -> int:
     """What a sequence must account for: its pages, tail and the stated metadata charges. A sink row is sealed
-    no further than q8 (fp16 with ``sink_raw``)."""
+    at fp16, or q8 at q4."""
     rows = length // P
     total = SEQ_META + tail_bytes(length % P)
     for r in range(rows):
         sink = r < sink_rows
-        f = ("fp16" if sink_raw else "q8" if fmt == "q4" else fmt) if sink else fmt
+        f = ("q8" if fmt == "q4" else "fp16") if sink else fmt
         total += L * (record_bytes(f) + sp.PAGE_META_BYTES)
-        if f != ("fp16" if sink_raw else "q8" if sink else "q4"):  # its top rung: no compaction left
+        if f != ("q8" if sink else "q4"):  # its top rung: no compaction left
             total += sp.ROW_META_BYTES  # one compaction-log entry per row that may need re-compression
     return total
 
@@ -82,8 +82,8 @@ def test_used_bytes_is_every_buffer_plus_the_stated_metadata(fmt: str) -> None:
         for _, t0, kp, vp in s.get_pages(NS, sid):
             if t0 + P <= n:
                 from_pages += len(kp) + len(vp) + sp.TRAILER_BYTES + sp.PAGE_META_BYTES
-        # logged: the rows that may be compressed further (q4 is the top rung; a sink row's is q8)
-        from_pages += sp.ROW_META_BYTES * ((max(0, n // P - 1) if fmt != "q4" else 0) + (fmt == "fp16" and n >= P))
+        # logged: the rows that may be compressed further (q4 is the top rung; a sink row's is q8, at q4)
+        from_pages += sp.ROW_META_BYTES * (n // P if fmt != "q4" else 0)
     assert from_pages == st["used_bytes"]
     assert sum(st["bytes_by_level"].values()) == st["page_bytes"]
     assert sum(st["pages_by_level"].values()) == L * sum(n // P for n in lengths.values())
@@ -498,11 +498,11 @@ def test_used_by_rung_recounts_the_data_at_each_rung() -> None:
         for i, (k, v) in seqs.items():
             s.append(NS, i, k, v)
         stores[level] = s
+    rows = 4 * 5  # the sink rows too (fp16 below q4)
     for rung, level in enumerate(("fp16", "q8", "q4")):
         want = stores[level].stats()["used_bytes"]
         got = stores["q4"].used_by_rung()[rung]
-        # rows at their top rung are never logged: at q4 none is; at q8, the sink rows (q8 is theirs)
-        logged = {"fp16": 4 * 5, "q8": 4 * 4, "q4": 0}[level] * sp.ROW_META_BYTES
+        logged = rows * sp.ROW_META_BYTES if level != "q4" else 0  # rows sealed at q4 are never logged
         assert got + logged == want, (level, got, want)
     assert stores["fp16"].used_by_rung() == (stores["fp16"].stats()["used_bytes"],) * 3
 

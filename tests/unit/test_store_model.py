@@ -159,8 +159,8 @@ class StoreModel(RuleBasedStateMachine):
         fmts = self.row_fmt.setdefault(sid, [])
         while len(fmts) < self.out_rows(n):
             fmt = self.store.format_for(self.in_force())
-            if len(fmts) * self.p < self.sink and RUNG[fmt] > 1:  # a sink row: the 8-bit rung at most
-                fmt = self.store.eight_bit
+            if len(fmts) * self.p < self.sink:  # a sink row: one rung less compact
+                fmt = self.store.eight_bit if RUNG[fmt] > 1 else "fp16"
             fmts.append(fmt)
         self.touch(sid)
 
