@@ -359,14 +359,16 @@ def ttft(args: argparse.Namespace) -> None:
 
 # ---- quality ----------------------------------------------------------------------------------------------------
 
-CONFIGS = [  # (name, level, sink_tokens, window_tokens); "calibrated": the namespace calibrated (--sample)
-    ("fp16", "fp16", 4, 0),
-    ("q8", "q8", 4, 0),
-    ("q4 sink4", "q4", 4, 0),
-    ("q4 calibrated", "q4", 4, 0),
-    ("q4 sink4 win128", "q4", 4, 128),
-    ("q4 sink1 win128", "q4", 1, 128),
-    ("q4 sink0", "q4", 0, 0),
+# (name, level, sink_tokens, window_tokens, sink_raw); "calibrated": the namespace calibrated (--sample)
+CONFIGS = [
+    ("fp16", "fp16", 4, 0, False),
+    ("q8", "q8", 4, 0, False),
+    ("q4 sink4", "q4", 4, 0, False),
+    ("q4 sink4 fp16", "q4", 4, 0, True),
+    ("q4 calibrated", "q4", 4, 0, False),
+    ("q4 sink4 win128", "q4", 4, 128, False),
+    ("q4 sink1 win128", "q4", 1, 128, False),
+    ("q4 sink0", "q4", 0, 0, False),
 ]
 
 
@@ -444,8 +446,8 @@ def quality(args: argparse.Namespace) -> None:
                  * (model.config.hidden_size // model.config.num_attention_heads) for _ in refs)
     print(f"\n{'config':<18} {'KL mean':>9} {'KL max':>9} {'ppl':>8} {'top-1 agree':>12} {'gen agree':>10} "
           f"{'bits/value':>10}")
-    for cname, level, sink, window in configs:
-        server = Server(level, sink_tokens=sink, window_tokens=window)
+    for cname, level, sink, window, sink_raw in configs:
+        server = Server(level, sink_tokens=sink, window_tokens=window, sink_raw=sink_raw)
         kls, kl_max, nll, agree, gens = [], 0.0, [], [], []
         with Client(server.endpoint) as kv:
             if "calibrated" in cname:

@@ -7,7 +7,7 @@ An embedded Ray runs a kvd of ``--shards`` shards sharing ``--memory`` (the issu
 0.2 s reports). Clients write what an engine writes: 7B-class sequences (32 layers, 8 KV heads, head_dim 128;
 128 KiB per token at fp16) of 256 tokens, the prompt as three 64-token appends and then 64 one-token decode
 steps, one sequence after the other; and sequences of 1024 tokens in ``--long-memory`` (the first page of each
-sequence holds the attention sinks and stays fp16, so short sequences cannot reach q4's 3x).
+sequence holds the attention sinks and is kept 8-bit at q4, so short sequences cannot reach q4's 3x).
 
 1. *Tokens held at the first forgetting*: the fill stops at the first eviction (``eviction = "lru"``) or refusal
    (``"none"``); the tokens the cluster holds then, over what the same fill holds under the ``fp16_only``

@@ -633,7 +633,8 @@ class Store(Appending, Compaction, Eviction, Spilling, Attending, Calibrating):
     def explain(self, namespace: str, seq_id: SeqId, layer: int, token: int) -> dict[str, Any]:
         """Why ``token`` of ``layer`` is stored as it is: ``{"level": page format tag, "page": row index,
         "reasons": [str, ...], "sealed_level", "sealed_epoch", "recompressed": [[format, epoch], ...]}``.
-        Reasons: "hot tail", "raw layer", "sink", "window", "kept fp16 in the window until it aged out",
+        Reasons: "hot tail", "raw layer", "sink", "a sink page is kept one rung less compact than the level: fp16,
+        8 bits at q4", "window", "kept fp16 in the window until it aged out",
         "sealed at level q8 (epoch 3)", "re-compressed to q4 at epoch 5", "raw heads [0] kept fp16"."""
         with self._lock:
             seq, entry = self._lookup(namespace, seq_id)
