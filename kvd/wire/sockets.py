@@ -177,6 +177,20 @@ TRIM_EVERY_S = 30.0
 DEPARTED_MAX = 65536
 
 
+def _dup_socket(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of descriptor ``fd``; None (nothing left open) if ``fd`` is closed or is not
+    a socket now."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
 def _names(fd: int, ino: int) -> bool:
     """Whether descriptor number ``fd`` names the socket of inode ``ino`` now."""
     try:
@@ -383,10 +397,9 @@ class ConnectionGuard:
 
     def _accept(self, fd: int, endpoint: bytes) -> _Conn | None:
         """The connection at ``fd`` taken (None: not one to take)."""
-        try:
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            return None  # already closed again
+        sock = _dup_socket(fd)
+        if sock is None:
+            return None  # already closed again, or not a socket now
         try:
             ino = os.fstat(sock.fileno()).st_ino
             port = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
@@ -410,10 +423,7 @@ class ConnectionGuard:
             held = self._conns.get(fd)
             if held is not None and not _names(fd, held.ino):
                 self._forget(fd)  # (its number names another socket now: the connection held has ended)
-            try:
-                sock = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                sock = None
+            sock = _dup_socket(fd)
             try:
                 named = sock is not None and os.fstat(sock.fileno()).st_ino == ino
             except OSError:

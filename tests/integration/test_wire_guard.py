@@ -291,3 +291,17 @@ def test_the_loops_word_on_a_connection_whose_number_a_newer_one_took_announces_
     _live_then_departs(listener, client, client_end)
     for s in marker:
         s.close()
+
+
+def test_a_number_that_names_a_file_now_leaves_no_descriptor_behind(listener: Listener, tmp_path) -> None:
+    # A late ACCEPTED, or the loop's word, for a number that names a regular file by the time the guard reads it:
+    # the guard's duplicate of it must not stay open.
+    with open(tmp_path / "f", "wb") as f:
+        fd = f.fileno()
+        before = len(os.listdir("/proc/self/fd"))
+        listener.event(zmq.EVENT_ACCEPTED, fd)
+        listener.guard.met(fd, os.fstat(fd).st_ino + 1)
+        marker = _processed(listener)
+        assert len(os.listdir("/proc/self/fd")) == before + 2 + 1, "a duplicate of the file was left open"
+        for s in marker:
+            s.close()
