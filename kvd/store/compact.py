@@ -152,7 +152,7 @@ class Compaction:
         """The format the level in force re-encodes a page of ``ns`` to (a sink row's: ``_sink_fmt``)."""
         return self._sink_fmt(ns, self._fmt) if sink else ns.seal_fmt(self._fmt)
 
-    def _shrinks(self, ns: Namespace, fmt: str, sink: bool = False) -> bool:
+    def _shrinks(self, ns: Namespace, fmt: str, sink: bool) -> bool:
         """Whether a page of ``fmt`` (of a sink row if ``sink``) awaits re-encoding at the level in force (a
         higher rung, fewer bytes)."""
         target = self._target(ns, sink)
